@@ -1,0 +1,24 @@
+# `make serve` runs the server with the embedded default engine; `make test`
+# runs the test suite. Each creates .venv from uv.lock on first use.
+PY := .venv/bin/python
+UV := $(shell command -v uv 2>/dev/null || echo .venv-uv/bin/uv)
+
+.PHONY: serve test bench venv
+
+$(UV):
+	python3 -m venv .venv-uv && .venv-uv/bin/pip install -q uv
+
+.venv/.synced: pyproject.toml uv.lock | $(UV)
+	$(UV) sync --frozen --extra test
+	touch $@
+
+venv: .venv/.synced
+
+serve: .venv/.synced
+	.venv/bin/session-runtime serve $(ARGS)
+
+test: .venv/.synced
+	$(PY) -m pytest -q $(ARGS)
+
+bench: .venv/.synced
+	$(PY) bench/engine.py

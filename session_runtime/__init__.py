@@ -1,0 +1,20 @@
+"""Reasoning-aware session runtime on SGLang's RadixCache."""
+
+from session_runtime.config import RuntimeConfig
+from session_runtime.errors import (
+    ContextTooLong,
+    ConversationNotFound,
+    InvalidRequest,
+    PoolExhausted,
+)
+
+__all__ = ["Runtime", "RuntimeConfig", "ConversationNotFound", "InvalidRequest", "ContextTooLong", "PoolExhausted"]
+
+
+def __getattr__(name: str):
+    # Importing Runtime pulls in SGLang (slow); load it on first use.
+    if name == "Runtime":
+        from session_runtime.runtime import Runtime
+
+        return Runtime
+    raise AttributeError(name)

@@ -1,0 +1,32 @@
+"""Per-step accounting (DESIGN.md section 6)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepAccounting:
+    prompt_tokens: int
+    cached_input_tokens: int  # prompt tokens whose device KV was reused
+    host_loaded_tokens: int  # reused by reload from the host tier
+    uncached_prefill_tokens: int  # prompt tokens computed in this step's prefill
+    logical_reusable_tokens: int  # exact common prefix with held sequences, unaligned
+    alignment_loss_tokens: int  # logical reusable minus physically reused
+    recomputed_history_tokens: int  # prefill spent on tokens before the new message
+    active_context_length: int  # tokens the next step starts from
+    output_tokens: int
+    kv_device_bytes: int  # this conversation's chain on the device
+    kv_host_bytes: int
+    prefill_ms: float
+    ttft_ms: float
+    tpot_ms: float
+    attention_work: int  # q*H + q*(q+1)/2 for q prefilled tokens on H reused
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def attention_work(prefilled: int, reused: int) -> int:
+    return prefilled * reused + prefilled * (prefilled + 1) // 2

@@ -1,0 +1,99 @@
+"""Frozen configuration: model shapes, presets and the runtime settings.
+
+Built once (from CLI flags or code) and passed down; nothing reads globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+# The bundled DeepSeek tokenizer has 129280 ids; random presets are sized so
+# every id, special tokens included, has an embedding row.
+DEEPSEEK_VOCAB = 129280
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Qwen3/Llama-family decoder."""
+
+    arch: str  # "qwen3" (QK-norm) or "llama"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K plus V for one token over all layers."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU tests: a few layers, hidden 256; the whole suite runs in seconds.
+    "tiny": ModelConfig(
+        arch="qwen3", vocab_size=DEEPSEEK_VOCAB, hidden_size=256, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": ModelConfig(
+        arch="qwen3", vocab_size=151936, hidden_size=1024, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": ModelConfig(
+        arch="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
+    ),
+    # Llama 3's own vocabulary (128256) is smaller than the bundled tokenizer's.
+    "llama3-8b": ModelConfig(
+        arch="llama", vocab_size=DEEPSEEK_VOCAB, hidden_size=4096, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+        rope_theta=500_000.0, rms_norm_eps=1e-5,
+    ),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything the runtime needs to build its engine, tree and pools."""
+
+    model: str = "tiny"  # a preset name or a local Hugging Face folder
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    pool_tokens: int = 65536
+    max_context: int = 32768
+    max_running: int = 4  # rows of the ReqToTokenPool: steps in flight at once
+    seed: int = 0
+    model_id: str = ""  # namespace override; defaults to the model name
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.pool_tokens < self.page_size:
+            raise ValueError("pool_tokens must hold at least one page")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes: object) -> "RuntimeConfig":
+        return dataclasses.replace(self, **changes)

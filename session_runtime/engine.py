@@ -1,0 +1,313 @@
+"""The embedded engine: one decoder over SGLang's pools and our SessionRadixCache.
+
+A step matches its prompt in the tree, prefills only the uncached suffix,
+decodes (or appends forced output), inserts the computed sequence and moves
+the owner's chain lock to the new tail. Steps are serialized by one lock; a
+step that fails frees what it took and leaves the tree's contents and every
+chain as they were.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from radix_ext.pools import KVPools, PoolSpec, build_pools
+from radix_ext.tree import Namespace, SessionRadixCache
+from session_runtime.accounting import StepAccounting, attention_work
+from session_runtime.config import RuntimeConfig
+from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
+from session_runtime.model.decoder import Decoder
+from session_runtime.sampling import Sampler, SamplingParams, token_logprob
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    owner: str  # the chain (conversation) that will hold the result
+    prompt: Sequence[int]
+    namespace: Namespace
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    forced: Optional[Sequence[int]] = None  # output to append instead of sampling
+    history_len: int = 0  # prompt tokens that precede this step's new message
+    return_logits: bool = False  # keep logits of every computed position (tests)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    total_ms: float
+    model_ms: float  # decoder forwards and sampling
+    session_ms: float  # tree match, probe, insert, lock moves, bookkeeping
+
+
+@dataclass(frozen=True)
+class StepResult:
+    output: list[int]
+    finish_reason: str  # "stop", "length" or "forced"
+    sequence: list[int]  # tokens whose KV is computed: prompt + output (minus an unfed last token)
+    logprobs: Optional[list[float]]
+    accounting: StepAccounting
+    timing: StepTiming
+    logits: Optional[torch.Tensor]  # [computed positions, vocab] when return_logits
+
+
+class _SlotBuffer:
+    """Slots a running step owns: the reused prefix plus pages it allocates."""
+
+    def __init__(self, engine: "Engine", node, prefix: torch.Tensor):
+        self.engine = engine
+        self.node = node  # the matched prefix's last node, locked for the step
+        self.prefix_len = len(prefix)
+        self.slots = prefix
+        self.owned: list[torch.Tensor] = []
+
+    def ensure(self, total: int) -> None:
+        """Make slots cover positions [0, total), allocating whole pages."""
+        missing = total - len(self.slots)
+        if missing <= 0:
+            return
+        new = self.engine.alloc(missing)
+        self.owned.append(new)
+        self.slots = torch.cat((self.slots, new))
+
+    def owned_tensor(self) -> torch.Tensor:
+        return self.slots[self.prefix_len :]
+
+
+class Engine:
+    """Owns the decoder, the pools and the tree. Thread-safe: steps run one at a time."""
+
+    def __init__(self, config: RuntimeConfig, decoder: Decoder):
+        self.config = config
+        self.decoder = decoder
+        cfg = decoder.cfg
+        self.pools: KVPools = build_pools(
+            PoolSpec(
+                pool_tokens=config.pool_tokens, page_size=config.page_size,
+                max_running=config.max_running, max_context=config.max_context,
+                num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, dtype=config.torch_dtype, device=config.device,
+            )
+        )
+        self.tree = SessionRadixCache(self.pools)
+        self.lock = threading.RLock()
+        self.device = torch.device(config.device)
+        self.bytes_per_token = self.pools.spec.bytes_per_token
+
+    # ----- pool ---------------------------------------------------------------
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        """Page-aligned slots for `num_tokens`, evicting LRU leaves if short.
+        Raises PoolExhausted; allocates nothing in that case."""
+        ps = self.config.page_size
+        need = -(-num_tokens // ps) * ps
+        allocator = self.pools.allocator
+        if allocator.available_size() < need:
+            self.tree.evict_tokens(need - allocator.available_size())
+        slots = allocator.alloc(need)
+        if slots is None:
+            raise PoolExhausted(
+                f"need {need} KV slots, {allocator.available_size()} free after evicting every "
+                f"unlocked leaf ({self.tree.protected_size()} tokens are locked by conversations)"
+            )
+        return slots
+
+    # ----- steps --------------------------------------------------------------
+
+    def step(self, req: StepRequest) -> StepResult:
+        """Run one step for `req.owner`. On success the owner's chain is the new
+        sequence; on any error the chain and the pool are as before. Raises
+        InvalidRequest, ContextTooLong or PoolExhausted."""
+        n = len(req.prompt)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        if n >= self.config.max_context:
+            raise ContextTooLong(
+                f"prompt of {n} tokens does not fit the context limit of {self.config.max_context}"
+            )
+        vocab = self.decoder.cfg.vocab_size
+        if max(req.prompt) >= vocab or min(req.prompt) < 0 or (
+            req.forced and (max(req.forced) >= vocab or min(req.forced) < 0)
+        ):
+            raise InvalidRequest(f"token id out of the model's vocabulary (0..{vocab - 1})")
+        with self.lock:
+            return self._step_locked(req)
+
+    def _step_locked(self, req: StepRequest) -> StepResult:
+        t0 = time.perf_counter()
+        prompt = list(req.prompt)
+        n = len(prompt)
+        key = req.namespace.key(prompt)
+        probe = self.tree.probe(key[: n - 1])
+        # The last prompt token is always computed: its logits start the output.
+        node, prefix_slots = self.tree.match_and_lock(key[: n - 1])
+        m = len(prefix_slots)
+        buf = _SlotBuffer(self, node, prefix_slots)
+        row = None
+        try:
+            row = self._alloc_row()
+            result = self._run(req, prompt, m, buf, row, probe.logical_len, t0)
+        except BaseException:
+            self.pools.allocator.free(buf.owned_tensor())
+            self.tree.dec_lock_ref(node)
+            raise
+        finally:
+            if row is not None:
+                self.pools.req_to_token.free_rows([row])
+        return result
+
+    def _alloc_row(self) -> int:
+        rows = self.pools.req_to_token.alloc_rows(1)
+        if rows is None:
+            raise PoolExhausted("no free request row: too many steps in flight")
+        return rows[0]
+
+    def _forward(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
+        end = start + len(ids)
+        buf.ensure(end)
+        r2t = self.pools.req_to_token
+        r2t.write((row, slice(start, end)), buf.slots[start:end].to(torch.int32))
+        return self.decoder(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.arange(start, end, device=self.device),
+            buf.slots[start:end],
+            r2t.req_to_token[row, :end].to(torch.int64),
+            self.pools.kv,
+            all_logits=all_logits,
+        )
+
+    def _run(self, req, prompt, m, buf, row, logical, t0) -> StepResult:
+        n = len(prompt)
+        sp = req.sampling
+        r2t = self.pools.req_to_token
+        r2t.write((row, slice(0, m)), buf.slots[:m].to(torch.int32))
+        want_all = req.return_logits or (sp.logprobs and req.forced is not None)
+        model_s = 0.0
+        kept_logits: list[torch.Tensor] = []
+
+        t = time.perf_counter()
+        logits = self._forward(prompt[m:], m, buf, row, all_logits=req.return_logits)
+        self._sync()
+        prefill_s = time.perf_counter() - t
+        model_s += prefill_s
+        if req.return_logits:
+            kept_logits.append(logits)
+
+        output: list[int] = []
+        logprobs: list[float] = []
+        if req.forced is not None:
+            forced = list(req.forced)
+            output = forced
+            t = time.perf_counter()
+            first_token_t = t
+            if forced:
+                more = self._forward(forced, n, buf, row, all_logits=want_all)
+                if want_all:
+                    rows = torch.cat((logits[-1:], more[:-1]))
+                    if sp.logprobs:
+                        logprobs = [token_logprob(rows[i], tok) for i, tok in enumerate(forced)]
+                    if req.return_logits:
+                        kept_logits.append(more)
+            self._sync()
+            model_s += time.perf_counter() - t
+            decode_end_t = time.perf_counter()
+            finish, computed = "forced", prompt + forced
+        else:
+            sampler = Sampler(sp)
+            limit = min(sp.max_tokens, self.config.max_context - n)
+            last = logits[-1]
+            first_token_t = None
+            t = time.perf_counter()
+            finish = "length"
+            while len(output) < limit:
+                tok = sampler.sample(last)
+                if sp.logprobs:
+                    logprobs.append(token_logprob(last, tok))
+                output.append(tok)
+                if first_token_t is None:
+                    first_token_t = time.perf_counter()
+                if tok in sp.stop_token_ids:
+                    finish = "stop"
+                    break
+                if len(output) == limit:
+                    break
+                out = self._forward([tok], n + len(output) - 1, buf, row, all_logits=False)
+                last = out[-1]
+                if req.return_logits:
+                    kept_logits.append(out)
+            self._sync()
+            decode_end_t = time.perf_counter()
+            model_s += decode_end_t - t
+            first_token_t = first_token_t or decode_end_t
+            # The last sampled token was never fed, so it has no KV yet.
+            computed = prompt + output[:-1] if output else prompt
+
+        chain_len = self._commit(req, computed, buf)
+        ps = self.config.page_size
+        accounting = StepAccounting(
+            prompt_tokens=n,
+            cached_input_tokens=m,
+            host_loaded_tokens=0,
+            uncached_prefill_tokens=n - m,
+            logical_reusable_tokens=logical,
+            alignment_loss_tokens=logical - m,
+            recomputed_history_tokens=max(0, min(req.history_len, n) - m),
+            active_context_length=len(computed),
+            output_tokens=len(output),
+            kv_device_bytes=chain_len * self.bytes_per_token,
+            kv_host_bytes=0,
+            prefill_ms=prefill_s * 1e3,
+            ttft_ms=(first_token_t - t0) * 1e3,
+            tpot_ms=((decode_end_t - first_token_t) / (len(output) - 1) * 1e3) if len(output) > 1 else 0.0,
+            attention_work=attention_work(n - m, m),
+        )
+        assert chain_len == len(computed) // ps * ps, "chain must hold the aligned sequence"
+        total_s = time.perf_counter() - t0
+        return StepResult(
+            output=output,
+            finish_reason=finish,
+            sequence=computed,
+            logprobs=logprobs if sp.logprobs else None,
+            accounting=accounting,
+            timing=StepTiming(total_s * 1e3, model_s * 1e3, (total_s - model_s) * 1e3),
+            logits=torch.cat(kept_logits) if kept_logits else None,
+        )
+
+    def _commit(self, req: StepRequest, computed: list[int], buf: _SlotBuffer) -> int:
+        """Insert the computed sequence, free duplicates and the partial tail page,
+        and move the owner's chain lock. Returns the chain's length in tokens."""
+        ps = self.config.page_size
+        aligned = len(computed) // ps * ps
+        key = req.namespace.key(computed)
+        slots = buf.slots
+        node, prefix_len = self.tree.insert_sequence(key, slots[:aligned])
+        allocator = self.pools.allocator
+        m = buf.prefix_len
+        # Slots [m, prefix_len) duplicate KV the tree already had; the tail past
+        # the last full page is not cached (page granularity) and goes back too.
+        if prefix_len > m:
+            allocator.free(slots[m:prefix_len])
+        allocator.free(slots[max(aligned, m) :])
+        self.tree.set_chain(req.owner, node)
+        # Drop the step's own lock on its matched prefix (taken in match_and_lock).
+        self.tree.dec_lock_ref(buf.node)
+        return aligned
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # ----- chains and inspection ---------------------------------------------
+
+    def release(self, owner: str) -> None:
+        with self.lock:
+            self.tree.release_chain(owner)
+
+    def check_integrity(self) -> None:
+        with self.lock:
+            self.tree.check_integrity()
+            r2t = self.pools.req_to_token
+            assert r2t.available_size() == r2t.size, "a request row leaked"

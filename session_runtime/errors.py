@@ -1,0 +1,39 @@
+"""Typed exceptions for misuse of the Python API; the HTTP edge maps each to a 4xx."""
+
+from __future__ import annotations
+
+
+class RuntimeErrorBase(Exception):
+    """Base of every error the runtime raises on purpose."""
+
+    status = 400
+    error_type = "invalid_request"
+
+
+class ConversationNotFound(RuntimeErrorBase, KeyError):
+    status = 404
+    error_type = "not_found"
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want plain text
+        return f"conversation {self.args[0]!r} not found"
+
+
+class InvalidRequest(RuntimeErrorBase, ValueError):
+    """Bad input: an empty message, unknown options, a negative max_tokens."""
+
+
+class ContextTooLong(InvalidRequest):
+    status = 413
+    error_type = "context_too_long"
+
+
+class PoolExhausted(RuntimeErrorBase):
+    """The KV pool cannot hold the request even after evicting every unlocked leaf."""
+
+    status = 507
+    error_type = "pool_exhausted"
+
+
+class ConversationBusy(RuntimeErrorBase):
+    status = 409
+    error_type = "conflict"

@@ -1,0 +1,1 @@
+"""A Qwen3/Llama-family decoder that keeps its KV in SGLang's pool."""
