@@ -80,6 +80,7 @@ class RuntimeConfig:
     pool_tokens: int = 65536
     max_context: int = 32768
     max_running: int = 4  # rows of the ReqToTokenPool: steps in flight at once
+    prefill_chunk: int = 2048  # tokens per prefill forward (bounds attention memory)
     seed: int = 0
     model_id: str = ""  # namespace override; defaults to the model name
 
@@ -88,6 +89,8 @@ class RuntimeConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.pool_tokens < self.page_size:
             raise ValueError("pool_tokens must hold at least one page")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 

@@ -166,6 +166,18 @@ class Engine:
         return rows[0]
 
     def _forward(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
+        """Run `ids` at positions start.. in chunks of `prefill_chunk` tokens, so
+        attention over a long prompt never materialises a full q x n score matrix."""
+        chunk = self.config.prefill_chunk
+        outs = []
+        for i in range(0, len(ids), chunk):
+            last = i + chunk >= len(ids)
+            part = self._forward_chunk(ids[i : i + chunk], start + i, buf, row, all_logits)
+            if all_logits or last:
+                outs.append(part)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _forward_chunk(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
         end = start + len(ids)
         buf.ensure(end)
         r2t = self.pools.req_to_token
