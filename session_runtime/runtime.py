@@ -36,6 +36,7 @@ class Runtime:
                 f"tokenizer has {self.tokenizer.vocab_size} ids, the model only {decoder.cfg.vocab_size}"
             )
         self.engine = Engine(self.config, decoder)
+        self.engine.warmup()
         self.template = DeepSeekTemplate(self.tokenizer)
         self.model_id = self.config.model_id or self.config.model
         self.conversations: dict[str, Conversation] = {}
@@ -166,6 +167,23 @@ class Runtime:
             self.get(conversation)
         with self.engine.lock:
             return self.engine.tree.snapshot(preview=self._preview, owner=conversation)
+
+    def chains(self) -> dict[str, int]:
+        """Tokens each conversation's chain holds in the tree."""
+        with self.engine.lock:
+            return {cid: self.engine.tree.chain_tokens(cid) for cid in self.conversations}
+
+    def gauges(self) -> dict[str, float]:
+        """Pool usage for /metrics."""
+        with self.engine.lock:
+            tree, pools = self.engine.tree, self.engine.pools
+            return {
+                "pool_capacity_tokens": pools.capacity,
+                "pool_free_tokens": pools.allocator.available_size(),
+                "tree_locked_tokens": tree.protected_size(),
+                "tree_evictable_tokens": tree.evictable_size(),
+                "conversations": len(self.conversations),
+            }
 
     def _preview(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)

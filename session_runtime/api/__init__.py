@@ -1,0 +1,1 @@
+"""The HTTP edge: a thin FastAPI shell over Runtime."""

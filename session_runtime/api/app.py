@@ -1,0 +1,85 @@
+"""create_app(runtime): the session HTTP API (DESIGN.md section 8).
+
+Every runtime error maps once, here, to `{error: {type, message}}` with a 4xx
+(or 507 for an exhausted pool); a failed request changes nothing because the
+runtime commits only after a step succeeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from session_runtime.api.schemas import CreateConversation, SendMessage
+from session_runtime.errors import RuntimeErrorBase
+from session_runtime.metrics import Metrics
+from session_runtime.runtime import Runtime
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"type": kind, "message": message}})
+
+
+def create_app(runtime: Runtime) -> FastAPI:
+    app = FastAPI(title="session-runtime")
+    metrics = Metrics()
+    app.state.runtime = runtime
+    app.state.metrics = metrics
+
+    @app.exception_handler(RuntimeErrorBase)
+    def _runtime_error(_: Request, exc: RuntimeErrorBase) -> JSONResponse:
+        metrics.record_error()
+        return _error(exc.status, exc.error_type, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        return _error(422, "validation_error", "; ".join(parts))
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "model": runtime.model_id, "device": runtime.config.device}
+
+    @app.post("/v1/conversations", status_code=201)
+    def create(body: CreateConversation) -> dict:
+        cid = runtime.create_conversation(system=body.system, tenant=body.tenant)
+        return runtime.describe(cid)
+
+    @app.get("/v1/conversations/{cid}")
+    def get(cid: str, tokens: int = 0) -> dict:
+        return runtime.describe(cid, tokens=bool(tokens))
+
+    @app.delete("/v1/conversations/{cid}")
+    def delete(cid: str) -> dict:
+        runtime.delete_conversation(cid)
+        return {"id": cid, "deleted": True}
+
+    @app.post("/v1/conversations/{cid}/messages")
+    def message(cid: str, body: SendMessage) -> dict:
+        t0 = time.perf_counter()
+        step = runtime.send_message(
+            cid, body.content, max_tokens=body.max_tokens, temperature=body.temperature,
+            seed=body.seed, logprobs=body.logprobs,
+            forced=body.forced.model_dump() if body.forced else None,
+        )
+        metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
+        return step.as_dict()
+
+    @app.get("/debug/tree")
+    def tree(conversation: str | None = None) -> dict:
+        nodes = runtime.tree_snapshot(conversation)
+        return {
+            "page_size": runtime.config.page_size,
+            "nodes": [dataclasses.asdict(n) for n in nodes],
+            "chains": runtime.chains(),
+        }
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def prometheus() -> str:
+        return metrics.render(runtime.gauges())
+
+    return app

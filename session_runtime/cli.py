@@ -1,0 +1,79 @@
+"""`session-runtime serve`: the HTTP server over the embedded engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import warnings
+
+from session_runtime.config import PRESETS, RuntimeConfig
+
+_DEFAULTS = RuntimeConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="session-runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the session HTTP API")
+    serve.add_argument("--model", default=_DEFAULTS.model,
+                       help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face folder")
+    serve.add_argument("--device", default=_DEFAULTS.device, help="cpu or cuda")
+    serve.add_argument("--dtype", default=_DEFAULTS.dtype, help="float32, bfloat16 or float16")
+    serve.add_argument("--page-size", type=int, default=_DEFAULTS.page_size)
+    serve.add_argument("--pool-tokens", type=int, default=_DEFAULTS.pool_tokens, help="device KV pool size")
+    serve.add_argument("--max-context", type=int, default=_DEFAULTS.max_context)
+    serve.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of random preset weights")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    return RuntimeConfig(
+        model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+        pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    warnings.filterwarnings("ignore", module="sglang")
+    t0 = time.perf_counter()
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"session-runtime: {exc}", file=sys.stderr)
+        return 2
+    print(f"session-runtime: loading {config.model} on {config.device} ...", flush=True)
+    from session_runtime.api.app import create_app
+    from session_runtime.errors import InvalidRequest
+    from session_runtime.runtime import Runtime
+
+    try:
+        runtime = Runtime(config)
+    except InvalidRequest as exc:
+        print(f"session-runtime: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(runtime)
+    print(
+        f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
+        f"http://{args.host}:{args.port} (page size {config.page_size}, pool {config.pool_tokens} tokens)",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
