@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import platform
 import pstats
 import random
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -33,23 +35,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB, EOS = 129280, 1
 TARGET_PCT, TARGET_CTX = 5.0, 8192
 NS = Namespace(extra_key="bench")
+STEP_WRAPPERS = {"step", "_step_locked", "_run"}  # contain the model time too
+Tokens = Callable[[int], list[int]]
 
 
-class Tokens:
+def token_source(seed: int) -> Tokens:
     """Seeded random token ids in [2, VOCAB): never the eos (1)."""
-
-    def __init__(self, seed: int):
-        self.rng = random.Random(seed)
-
-    def __call__(self, n: int) -> list[int]:
-        return [self.rng.randrange(EOS + 1, VOCAB) for _ in range(n)]
+    rng = random.Random(seed)
+    return lambda n: [rng.randrange(EOS + 1, VOCAB) for _ in range(n)]
 
 
 def build_engine(args, max_ctx: int) -> Engine:
-    cfg = RuntimeConfig(
-        model=args.model, device=args.device, page_size=16,
-        max_context=max_ctx + 4096, pool_tokens=max_ctx + 16384,
-    )
+    cfg = RuntimeConfig(model=args.model, device=args.device, page_size=16,
+                        max_context=max_ctx + 4096, pool_tokens=max_ctx + 16384)
     return Engine(cfg, build_decoder(cfg.model, cfg.seed, cfg.torch_dtype, cfg.device))
 
 
@@ -60,16 +58,15 @@ def step(eng: Engine, owner: str, prompt: list[int], max_tokens: int = 0, forced
 
 def bench_speed(eng: Engine, toks: Tokens, prefill_len: int, decode_len: int, reps: int) -> dict:
     """Cold prefill of `prefill_len` fresh tokens, then a greedy decode; medians over reps."""
-    step(eng, "warmup", toks(256), max_tokens=4)
+    step(eng, "warmup", toks(prefill_len), max_tokens=4)
     eng.release("warmup")
-    prefill_ms, tpot_ms = [], []
+    runs = []
     for i in range(reps):
         r = step(eng, f"speed{i}", toks(prefill_len), max_tokens=decode_len)
         assert r.accounting.cached_input_tokens == 0 and len(r.output) == decode_len
-        prefill_ms.append(r.accounting.prefill_ms)
-        tpot_ms.append(r.accounting.tpot_ms)
+        runs.append(r.accounting)
         eng.release(f"speed{i}")
-    p, d = statistics.median(prefill_ms), statistics.median(tpot_ms)
+    p, d = statistics.median(a.prefill_ms for a in runs), statistics.median(a.tpot_ms for a in runs)
     return {"prefill_tokens": prefill_len, "decode_tokens": decode_len, "reps": reps,
             "prefill_ms": p, "tpot_ms": d,
             "prefill_tok_s": prefill_len / p * 1e3, "decode_tok_s": 1e3 / d}
@@ -84,16 +81,30 @@ def grow(eng: Engine, toks: Tokens, seq: list[int], target: int, chunk: int = 81
 
 
 def profile_step(eng: Engine, toks: Tokens, seq: list[int], top: int = 15) -> tuple[list[int], list[dict]]:
-    """cProfile one agent step; the top functions by cumulative time."""
+    """cProfile one agent step; the top session-side functions by cumulative time.
+    Functions reachable from `_forward` or the sampler (model time, as the engine
+    splits it) and the wrappers around the whole step are left out."""
     prof = cProfile.Profile()
+    prompt = seq + toks(16)
     prof.enable()
-    r = step(eng, "conv", seq + toks(16), max_tokens=8)
+    r = step(eng, "conv", prompt, max_tokens=8)
     prof.disable()
-    stats = pstats.Stats(prof).sort_stats("cumulative")
-    rows = []
-    for (file, line, fn), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append({"function": f"{Path(file).name}:{line}({fn})", "ncalls": ncalls,
-                     "tottime_ms": tottime * 1e3, "cumtime_ms": cumtime * 1e3})
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    callees: dict = {}
+    for k, v in stats.items():
+        for caller in v[4]:
+            callees.setdefault(caller, []).append(k)
+    todo = [k for k in stats if k[2] in ("_forward", "sample")]
+    model = set(todo)
+    while todo:  # everything reachable from a forward or the sampler is model time
+        for k in callees.get(todo.pop(), ()):
+            if k not in model:
+                model.add(k)
+                todo.append(k)
+    rows = [{"function": f"{Path(f).name}:{line}({fn})", "ncalls": v[1], "tottime_ms": v[2] * 1e3,
+             "cumtime_ms": v[3] * 1e3}
+            for (f, line, fn), v in stats.items()
+            if (f, line, fn) not in model and f != "~" and fn not in STEP_WRAPPERS]
     rows.sort(key=lambda x: -x["cumtime_ms"])
     return r.sequence, rows[:top]
 
@@ -107,17 +118,20 @@ def bench_contexts(eng: Engine, toks: Tokens, contexts: list[int], steps: int, f
         seq = step(eng, "conv", seq + toks(16), max_tokens=8).sequence  # warm-up at this size
         runs = []
         for _ in range(steps):
-            r = step(eng, "conv", seq + toks(16), max_tokens=8)
+            prompt = seq + toks(16)
+            t = time.perf_counter()
+            r = step(eng, "conv", prompt, max_tokens=8)
+            wall = (time.perf_counter() - t) * 1e3  # adds eng.step()'s validation, run before its timer
             assert r.accounting.cached_input_tokens >= len(seq) // 16 * 16
-            runs.append((r.timing, r.accounting.prompt_tokens))
+            tm = r.timing
+            runs.append({"prompt_tokens": r.accounting.prompt_tokens, "total_ms": tm.total_ms,
+                         "model_ms": tm.model_ms, "session_ms": tm.session_ms,
+                         "session_pct": tm.session_ms / tm.total_ms * 100,
+                         "wall_ms": wall, "wall_session_pct": (wall - tm.model_ms) / wall * 100})
             seq = r.sequence
-        total = statistics.median(t.total_ms for t, _ in runs)
-        model = statistics.median(t.model_ms for t, _ in runs)
-        session = statistics.median(t.session_ms for t, _ in runs)
-        pct = statistics.median(t.session_ms / t.total_ms * 100 for t, _ in runs)
-        row = {"context": ctx, "prompt_tokens": statistics.median(n for _, n in runs), "steps": steps,
-               "grow_s": grow_s, "total_ms": total, "model_ms": model, "session_ms": session,
-               "session_pct": pct}
+        row = {"context": ctx, "steps": steps, "grow_s": grow_s}
+        row |= {k: statistics.median(x[k] for x in runs) for k in runs[0]}  # medians per field
+        total, model, session, pct = (row[k] for k in ("total_ms", "model_ms", "session_ms", "session_pct"))
         if ctx == TARGET_CTX and (force_profile or pct > TARGET_PCT):
             seq, row["profile_top"] = profile_step(eng, toks, seq)
         out.append(row)
@@ -128,7 +142,6 @@ def bench_contexts(eng: Engine, toks: Tokens, contexts: list[int], steps: int, f
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -141,8 +154,8 @@ def plot(result: dict, path: Path) -> None:
     a.set_ylabel("tokens / s (log)")
     a.set_title("(a) throughput, median")
     for bar, v in zip(bars, vals):
-        a.annotate(f"{v:,.0f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom")
-    labels = [f"{r['context'] // 1024}k" for r in rows]
+        a.annotate(f"{v:,.0f}" if v >= 100 else f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom")
+    labels = [f"{r['context'] / 1024:g}k" for r in rows]
     model = [r["model_ms"] for r in rows]
     session = [r["session_ms"] for r in rows]
     b.bar(labels, model, label="model (forwards + sampling)", color="tab:blue")
@@ -154,7 +167,7 @@ def plot(result: dict, path: Path) -> None:
     b.set_xlabel("context (tokens in chain)")
     b.set_ylabel("ms per agent step (median)")
     b.set_title(f"(b) agent step: +16 prompt, 8 decode; target < {TARGET_PCT:g}% at 8k")
-    b.legend(loc="upper left", fontsize=8)
+    b.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize=8)
     fig.suptitle(f"engine benchmark: model {result['model']} on {result['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -166,14 +179,14 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--contexts", default="1024,8192,32768", help="comma-separated context sizes, in tokens")
     ap.add_argument("--steps", type=int, default=5, help="timed agent steps per context")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of the speed test")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of the speed test")
     ap.add_argument("--profile", action="store_true", help="cProfile a step at 8k even if the target is met")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     contexts = sorted(int(c) for c in args.contexts.split(","))
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     eng = build_engine(args, max(contexts))
-    toks = Tokens(args.seed)
+    toks = token_source(args.seed)
     print(f"engine built on {args.device} ({time.perf_counter() - t0:.1f}s)", flush=True)
     speed = bench_speed(eng, toks, prefill_len=2048, decode_len=64, reps=args.reps)
     print(f"  prefill {speed['prefill_tok_s']:,.0f} tok/s, decode {speed['decode_tok_s']:,.1f} tok/s", flush=True)
@@ -190,6 +203,7 @@ def main() -> None:
         "target_pct": TARGET_PCT, "target_context": TARGET_CTX,
         "met": None if at_target is None else at_target["session_pct"] < TARGET_PCT,
         "wall_s": time.perf_counter() - t0,
+        "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]},  # other processes skew CPU timings
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engine.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -102,6 +102,13 @@ class SessionRadixCache(RadixCache):
         if old is not None:
             self.dec_lock_ref(old)
 
+    def hold_prefix(self, owner: str, key: RadixKey) -> int:
+        """Move `owner`'s chain to the longest cached page-aligned prefix of `key`.
+        Mutates: may split a node. Returns the chain's new length in tokens."""
+        node = self.match_prefix(MatchPrefixParams(key=key)).last_device_node
+        self.set_chain(owner, node)
+        return _depth(node)
+
     def chain_tokens(self, owner: str) -> int:
         node = self.chains.get(owner)
         return 0 if node is None else _depth(node)

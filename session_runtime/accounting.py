@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class StepAccounting:
     ttft_ms: float
     tpot_ms: float
     attention_work: int  # q*H + q*(q+1)/2 for q prefilled tokens on H reused
+    # A turn's first step only: which branch served it, and keep vs drop probed
+    # on the tree as it was before the step.
+    cache_state: Optional[str] = None  # none, prefix_only, generated_branch, canonical_branch
+    counterfactual: Optional[dict] = None  # {keep: {...}, drop: {...}}
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

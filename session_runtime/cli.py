@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pool-tokens", type=int, default=_DEFAULTS.pool_tokens, help="device KV pool size")
     serve.add_argument("--max-context", type=int, default=_DEFAULTS.max_context)
     serve.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of random preset weights")
+    serve.add_argument("--policy", default=_DEFAULTS.policy,
+                       choices=["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"],
+                       help="default reasoning policy of new conversations")
+    serve.add_argument("--template", default=_DEFAULTS.template, choices=["deepseek", "qwen3"])
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     return parser
@@ -34,6 +38,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(
         model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
+        policy=args.policy, template=args.template,
     )
 
 

@@ -82,6 +82,8 @@ class RuntimeConfig:
     max_running: int = 4  # rows of the ReqToTokenPool: steps in flight at once
     prefill_chunk: int = 2048  # tokens per prefill forward (bounds attention memory)
     seed: int = 0
+    policy: str = "drop"  # default reasoning policy of new conversations
+    template: str = "deepseek"  # default chat template of new conversations
     model_id: str = ""  # namespace override; defaults to the model name
 
     def __post_init__(self) -> None:

@@ -1,68 +1,100 @@
-"""A conversation: its trace (every message as generated) and its history."""
+"""A conversation's state, one layer per field group (DESIGN.md section 2):
+
+- trace: every message as generated, reasoning included, with timings;
+- history: the canonical messages the next prompt renders from;
+- protocol: per-turn continuation state (tool-call ids, generated ids), opaque;
+- the physical chain lives in the engine's tree, keyed by the conversation id.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from session_runtime.accounting import StepAccounting
-from session_runtime.template import Message
+from session_runtime.policies import MaterializeSettings, ReasoningPolicy
+from session_runtime.templates.base import Message, ToolCall
 
 
 @dataclass(frozen=True)
 class TraceEntry:
-    """One message as it happened, with timings (DESIGN.md section 2, trace layer)."""
-
-    turn: int
-    role: str
-    content: str
-    reasoning: str = ""
+    message: Message
+    step: Optional[int] = None  # assistant messages: which step of the turn
     finish_reason: Optional[str] = None
     created_at: float = field(default_factory=time.time)
 
+    def as_dict(self) -> dict:
+        m = self.message
+        out = {"turn": m.turn, "role": m.role, "content": m.content, "created_at": self.created_at}
+        if m.role == "assistant":
+            out.update(reasoning=m.reasoning, tool_calls=[c.as_dict() for c in m.tool_calls],
+                       step=self.step, finish_reason=self.finish_reason)
+        if m.role == "tool":
+            out["tool_call_id"] = m.tool_call_id
+        return out
+
 
 @dataclass(frozen=True)
-class Step:
-    """What a step returns to the caller."""
+class ProtocolState:
+    """What continuing the open turn requires, kept exactly as produced."""
 
-    conversation_id: str
     turn: int
-    step: int
-    reasoning: str
-    content: str
-    finish_reason: str
-    output_ids: list[int]
-    logprobs: Optional[list[float]]
-    accounting: StepAccounting
+    pending_calls: tuple[ToolCall, ...] = ()
+    generated_ids: tuple[int, ...] = ()  # every id the turn has generated so far
+
+
+@dataclass
+class TurnRecord:
+    """Accounting of one turn: its steps and what happened at its close."""
+
+    index: int
+    steps: list[StepAccounting] = field(default_factory=list)
+    first_prompt_tokens: int = 0  # |P| of the seed: the prompt before any output
+    cache_state: str = "none"
+    counterfactual: Optional[dict] = None
+    closed: bool = False
+    fork_tokens: Optional[int] = None  # lcp of generated and canonical sequences
+    materialize: Optional[str] = None  # decision and why
+    materialized_prefill_tokens: int = 0
+
+    def totals(self) -> dict:
+        keys = ("prompt_tokens", "cached_input_tokens", "uncached_prefill_tokens",
+                "recomputed_history_tokens", "output_tokens", "host_loaded_tokens", "attention_work")
+        return {k: sum(getattr(s, k) for s in self.steps) for k in keys}
 
     def as_dict(self) -> dict:
         return {
-            "conversation_id": self.conversation_id,
-            "turn": self.turn,
-            "step": self.step,
-            "reasoning": self.reasoning,
-            "content": self.content,
-            "tool_calls": [],
-            "finish_reason": self.finish_reason,
-            "logprobs": self.logprobs,
-            "accounting": self.accounting.as_dict(),
+            "turn": self.index, "closed": self.closed, "cache_state": self.cache_state,
+            "counterfactual": self.counterfactual, "fork_tokens": self.fork_tokens,
+            "materialize": self.materialize, "materialized_prefill_tokens": self.materialized_prefill_tokens,
+            "totals": self.totals(), "steps": [dataclasses.asdict(s) for s in self.steps],
         }
 
 
 @dataclass
 class Conversation:
-    """Mutable state of one conversation; only the Runtime changes it, and only
-    after a step has succeeded."""
+    """Mutable; only the Runtime changes it, and only after a step succeeded."""
 
     id: str
     system: Optional[str]
+    tools: list[dict]
     tenant: Optional[str]
-    history: list[Message] = field(default_factory=list)  # canonical history
+    template: str
+    policy: ReasoningPolicy
+    materialize: MaterializeSettings
+    history: list[Message] = field(default_factory=list)
     trace: list[TraceEntry] = field(default_factory=list)
-    turns: list[list[StepAccounting]] = field(default_factory=list)
-    chain_tokens: list[int] = field(default_factory=list)  # the computed sequence
+    turns: list[TurnRecord] = field(default_factory=list)
+    protocol: Optional[ProtocolState] = None  # set while a turn is open
+    chain_tokens: list[int] = field(default_factory=list)  # last computed sequence
+    canonical_kind: str = "none"  # what the chain holds: generated, prefix, canonical
 
     @property
-    def turn_count(self) -> int:
-        return len(self.turns)
+    def closed_turns(self) -> int:
+        return sum(1 for t in self.turns if t.closed)
+
+    @property
+    def open_turn(self) -> Optional[int]:
+        return self.protocol.turn if self.protocol else None

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from radix_ext.pools import KVPools, PoolSpec, build_pools
-from radix_ext.tree import Namespace, SessionRadixCache
+from radix_ext.tree import Namespace, ProbeResult, SessionRadixCache
 from session_runtime.accounting import StepAccounting, attention_work
 from session_runtime.config import RuntimeConfig
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
@@ -34,6 +34,8 @@ class StepRequest:
     forced: Optional[Sequence[int]] = None  # output to append instead of sampling
     history_len: int = 0  # prompt tokens that precede this step's new message
     return_logits: bool = False  # keep logits of every computed position (tests)
+    cache_output: bool = True  # False: cache only the prompt (SGLang --strip-thinking-cache)
+    hold_chain: bool = True  # False: lock nothing after the step (SGLang: no sessions)
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,8 @@ class Engine:
             tpot_ms=((decode_end_t - first_token_t) / (len(output) - 1) * 1e3) if len(output) > 1 else 0.0,
             attention_work=attention_work(n - m, m),
         )
-        assert chain_len == len(computed) // ps * ps, "chain must hold the aligned sequence"
+        cached_upto = len(computed) if req.cache_output else n
+        assert chain_len == cached_upto // ps * ps, "chain must hold the aligned sequence"
         total_s = time.perf_counter() - t0
         return StepResult(
             output=output,
@@ -305,11 +308,13 @@ class Engine:
         )
 
     def _commit(self, req: StepRequest, computed: list[int], buf: _SlotBuffer) -> int:
-        """Insert the computed sequence, free duplicates and the partial tail page,
-        and move the owner's chain lock. Returns the chain's length in tokens."""
+        """Insert the computed sequence (or only the prompt), free duplicates and
+        the partial tail page, and move the owner's chain lock. Returns the
+        number of tokens inserted (page aligned)."""
         ps = self.config.page_size
-        aligned = len(computed) // ps * ps
-        key = req.namespace.key(computed)
+        cached_upto = len(computed) if req.cache_output else len(req.prompt)
+        aligned = cached_upto // ps * ps
+        key = req.namespace.key(computed[:aligned])
         slots = buf.slots
         node, prefix_len = self.tree.insert_sequence(key, slots[:aligned])
         allocator = self.pools.allocator
@@ -319,10 +324,26 @@ class Engine:
         if prefix_len > m:
             allocator.free(slots[m:prefix_len])
         allocator.free(slots[max(aligned, m) :])
-        self.tree.set_chain(req.owner, node)
+        if req.hold_chain:
+            self.tree.set_chain(req.owner, node)
+        else:
+            self.tree.release_chain(req.owner)
         # Drop the step's own lock on its matched prefix (taken in match_and_lock).
         self.tree.dec_lock_ref(buf.node)
         return aligned
+
+    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
+        """Move `owner`'s chain to the longest cached page-aligned prefix of
+        `tokens` (the fork point after a turn drops its reasoning). Whatever
+        the old chain held beyond it becomes evictable. Returns its length."""
+        with self.lock:
+            return self.tree.hold_prefix(owner, namespace.key(list(tokens)))
+
+    def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
+        """What a step with this prompt would reuse, without changing the tree.
+        The last token is excluded: it is always computed for its logits."""
+        with self.lock:
+            return self.tree.probe(namespace.key(list(tokens))[: max(len(tokens) - 1, 0)])
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -37,3 +37,10 @@ class PoolExhausted(RuntimeErrorBase):
 class ConversationBusy(RuntimeErrorBase):
     status = 409
     error_type = "conflict"
+
+
+class ToolCallConflict(RuntimeErrorBase):
+    """A tool result for an unknown or already answered call, or none pending."""
+
+    status = 409
+    error_type = "conflict"

@@ -1,33 +1,38 @@
-"""The runtime's Python API: conversations over the embedded engine.
+"""The runtime's Python API: conversations, turns and tool chains over the
+embedded engine. The HTTP layer and the examples call only this class.
 
     rt = Runtime(RuntimeConfig(model="tiny"))
-    cid = rt.create_conversation(system="You are terse.")
+    cid = rt.create_conversation(system="You are terse.", policy="drop")
     step = rt.send_message(cid, "Hello", max_tokens=8)
-
-The HTTP layer and the examples call only this class.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from typing import Optional, Sequence
 
 from radix_ext.tree import Namespace, NodeInfo
 from session_runtime.config import RuntimeConfig
-from session_runtime.conversation import Conversation, Step, TraceEntry
-from session_runtime.engine import Engine, StepRequest
-from session_runtime.errors import ConversationNotFound, InvalidRequest
+from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
+from session_runtime.engine import Engine, StepRequest, StepResult
+from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest, ToolCallConflict
+from session_runtime.materializer import Materializer
 from session_runtime.model.weights import build_decoder
+from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.sampling import SamplingParams
-from session_runtime.template import DeepSeekTemplate, Message
+from session_runtime.step import Step
+from session_runtime.templates import Message, Template, ToolCall, build_template
 from session_runtime.tokenizer import load_tokenizer
+from session_runtime import turns as turn_rules
 
 
 class Runtime:
-    """Holds conversations and the engine. Thread-safe."""
+    """Holds conversations, the engine and the materializer. Thread-safe: steps
+    of one conversation are serialized, the engine serializes all steps."""
 
-    def __init__(self, config: Optional[RuntimeConfig] = None):
+    def __init__(self, config: Optional[RuntimeConfig] = None, *, background: bool = True):
         self.config = config or RuntimeConfig()
         self.tokenizer = load_tokenizer(self.config.model)
         decoder = build_decoder(self.config.model, self.config.seed, self.config.torch_dtype, self.config.device)
@@ -37,27 +42,60 @@ class Runtime:
             )
         self.engine = Engine(self.config, decoder)
         self.engine.warmup()
-        self.template = DeepSeekTemplate(self.tokenizer)
+        self.materializer = Materializer(self.engine, background=background)
         self.model_id = self.config.model_id or self.config.model
         self.conversations: dict[str, Conversation] = {}
+        self._templates: dict[str, Template] = {}
+        self._conv_locks: dict[str, threading.Lock] = {}
         self._lock = threading.RLock()
+        self.template(self.config.template)  # fail at start, not on the first request
 
     # ----- conversations ------------------------------------------------------
+
+    def template(self, name: str) -> Template:
+        with self._lock:
+            if name not in self._templates:
+                try:
+                    self._templates[name] = build_template(name, self.tokenizer)
+                except AssertionError as exc:  # a special token the tokenizer lacks
+                    raise InvalidRequest(f"template {name!r} does not fit tokenizer {self.tokenizer.name}: {exc}")
+            return self._templates[name]
 
     def namespace(self, conv: Conversation) -> Namespace:
         """Cache namespace: model, tokenizer and template; the tenant as salt."""
         return Namespace(
-            extra_key=f"{self.model_id}|{self.tokenizer.digest}|{self.template.name}",
+            extra_key=f"{self.model_id}|{self.tokenizer.digest}|{conv.template}",
             cache_salt=conv.tenant,
         )
 
-    def create_conversation(self, system: Optional[str] = None, tenant: Optional[str] = None) -> str:
-        """Create an empty conversation; returns its id."""
+    def create_conversation(
+        self,
+        system: Optional[str] = None,
+        *,
+        tools: Optional[Sequence[dict]] = None,
+        tenant: Optional[str] = None,
+        policy: Optional[str] = None,
+        keep_last_k: int = 1,
+        materialize: str = "auto",
+        template: Optional[str] = None,
+        continue_probability: float = 0.8,
+    ) -> str:
+        """Create an empty conversation; returns its id. Raises InvalidRequest."""
         if system is not None and not isinstance(system, str):
             raise InvalidRequest("system must be a string")
-        conv = Conversation(id=uuid.uuid4().hex[:16], system=system or None, tenant=tenant or None)
+        if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequest("tools must be a list of objects")
+        template = template or self.config.template
+        self.template(template)
+        conv = Conversation(
+            id=uuid.uuid4().hex[:16], system=system or None, tools=list(tools or ()),
+            tenant=tenant or None, template=template,
+            policy=ReasoningPolicy(policy or self.config.policy, keep_last_k),
+            materialize=MaterializeSettings(materialize, continue_probability=continue_probability),
+        )
         with self._lock:
             self.conversations[conv.id] = conv
+            self._conv_locks[conv.id] = threading.Lock()
         return conv.id
 
     def get(self, conversation_id: str) -> Conversation:
@@ -70,10 +108,14 @@ class Runtime:
 
     def delete_conversation(self, conversation_id: str) -> None:
         """Forget the conversation and unlock its chain (its KV becomes evictable)."""
-        with self._lock:
-            conv = self.get(conversation_id)
-            del self.conversations[conv.id]
+        conv = self.get(conversation_id)
+        with self._conv_locks[conv.id]:
+            self.materializer.cancel(conv.id)
+            with self._lock:
+                self.conversations.pop(conv.id, None)
             self.engine.release(conv.id)
+
+    # ----- steps ----------------------------------------------------------------
 
     def send_message(
         self,
@@ -86,57 +128,193 @@ class Runtime:
         logprobs: bool = False,
         forced: Optional[dict] = None,
     ) -> Step:
-        """Open a turn with a user message and run one step.
+        """Open a turn with a user message and run its first step.
 
-        `forced` = {"reasoning": str, "content": str} appends that output instead of
-        sampling. Raises ConversationNotFound, InvalidRequest (empty message, bad
-        options), ContextTooLong or PoolExhausted; on error nothing changes.
+        `forced` = {reasoning?, content?, tool_calls?} appends that output instead of
+        sampling (replay). Raises ConversationNotFound, ConversationBusy (tool calls
+        pending), InvalidRequest, ContextTooLong or PoolExhausted; on error nothing
+        changes.
         """
         if not isinstance(content, str) or not content.strip():
             raise InvalidRequest("message content must be a non-empty string")
-        sampling = SamplingParams(
+        conv = self.get(conversation_id)
+        with self._conv_locks[conv.id]:
+            if conv.protocol is not None:
+                pending = [c.id for c in conv.protocol.pending_calls]
+                raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}")
+            turn = len(conv.turns)
+            return self._step(conv, [Message("user", turn, content)], turn,
+                              self._sampling(conv, max_tokens, temperature, seed, logprobs), forced)
+
+    def send_tool_results(
+        self,
+        conversation_id: str,
+        results: Sequence[dict],
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        seed: Optional[int] = None,
+        logprobs: bool = False,
+        forced: Optional[dict] = None,
+    ) -> Step:
+        """Answer every pending tool call of the open turn and run its next step.
+
+        Raises ToolCallConflict (no call pending, unknown or repeated id),
+        InvalidRequest (a pending call left unanswered), and the send_message errors.
+        """
+        conv = self.get(conversation_id)
+        with self._conv_locks[conv.id]:
+            if conv.protocol is None:
+                raise ToolCallConflict("no tool call is pending in this conversation")
+            by_id = {}
+            for r in results:
+                if not isinstance(r, dict) or not isinstance(r.get("tool_call_id"), str) or not isinstance(r.get("content", ""), str):
+                    raise InvalidRequest("each result must be {tool_call_id: str, content: str}")
+                by_id.setdefault(r["tool_call_id"], []).append(r.get("content", ""))
+            pending = {c.id: c for c in conv.protocol.pending_calls}
+            unknown = [i for i in by_id if i not in pending]
+            repeated = [i for i, v in by_id.items() if len(v) > 1]
+            if unknown or repeated:
+                raise ToolCallConflict(f"unknown or already answered tool calls: {unknown + repeated}")
+            missing = [i for i in pending if i not in by_id]
+            if missing:
+                raise InvalidRequest(f"results must answer every pending call; missing {missing}")
+            turn = conv.protocol.turn
+            msgs = [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
+            return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs), forced)
+
+    def _sampling(self, conv, max_tokens, temperature, seed, logprobs) -> SamplingParams:
+        return SamplingParams(
             max_tokens=max_tokens, temperature=temperature, seed=seed,
-            stop_token_ids=self.template.stop_token_ids, logprobs=logprobs,
-        )
-        forced_ids = self._forced_ids(forced)
-        with self.engine.lock:
-            conv = self.get(conversation_id)
-            user = Message(role="user", content=content)
-            history = self.template.render(conv.system, conv.history, generation_prompt=False)
-            rendered = self.template.render(conv.system, [*conv.history, user], generation_prompt=True)
-            result = self.engine.step(
-                StepRequest(
-                    owner=conv.id, prompt=rendered.ids, namespace=self.namespace(conv),
-                    sampling=sampling, forced=forced_ids, history_len=len(history.ids) if conv.turns else 0,
-                )
-            )
-            # Commit to the conversation only now: the step succeeded.
-            parsed = self.template.parse_output(result.output)
-            reasoning = self.tokenizer.decode(parsed.reasoning_ids)
-            answer = self.tokenizer.decode(parsed.content_ids)
-            turn = conv.turn_count
-            conv.history += [user, Message("assistant", answer, reasoning, tuple(result.output))]
-            conv.trace += [
-                TraceEntry(turn, "user", content),
-                TraceEntry(turn, "assistant", answer, reasoning, result.finish_reason),
-            ]
-            conv.turns.append([result.accounting])
-            conv.chain_tokens = result.sequence
-        return Step(
-            conversation_id=conv.id, turn=turn, step=0, reasoning=reasoning, content=answer,
-            finish_reason=result.finish_reason, output_ids=result.output,
-            logprobs=result.logprobs, accounting=result.accounting,
+            stop_token_ids=self.template(conv.template).stop_token_ids, logprobs=logprobs,
         )
 
-    def _forced_ids(self, forced: Optional[dict]) -> Optional[list[int]]:
+    def _forced_ids(self, tpl: Template, forced: Optional[dict]) -> Optional[list[int]]:
         if forced is None:
             return None
-        if not isinstance(forced, dict) or set(forced) - {"reasoning", "content"}:
-            raise InvalidRequest("forced must be {reasoning?, content?}")
-        reasoning, content = forced.get("reasoning", ""), forced.get("content", "")
+        if not isinstance(forced, dict) or set(forced) - {"reasoning", "content", "tool_calls"}:
+            raise InvalidRequest("forced must be {reasoning?, content?, tool_calls?}")
+        reasoning, content = forced.get("reasoning") or "", forced.get("content") or ""
         if not isinstance(reasoning, str) or not isinstance(content, str):
             raise InvalidRequest("forced reasoning and content must be strings")
-        return self.template.forced_ids(reasoning, content)
+        calls = []
+        for c in forced.get("tool_calls") or ():
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("arguments", {}), dict):
+                raise InvalidRequest("forced tool_calls must be [{name: str, arguments: object}]")
+            calls.append(ToolCall(id="", name=c["name"], arguments=c.get("arguments", {})))
+        return tpl.forced_ids(reasoning, content, calls)
+
+    def _step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
+              forced: Optional[dict]) -> Step:
+        tpl = self.template(conv.template)
+        forced_ids = self._forced_ids(tpl, forced)
+        ns = self.namespace(conv)
+        first = new[0].role == "user"
+        self.materializer.user_enter()
+        try:
+            # A pending materialization is cancelled, a running one joined.
+            job = self.materializer.claim(conv.id)
+            if job is not None and job.state == "done" and conv.turns:
+                conv.turns[-1].materialized_prefill_tokens = job.prefill_tokens
+                conv.canonical_kind = "canonical"
+            keep = conv.policy.kept_turns(conv.closed_turns)
+            rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
+            history_len = len(tpl.render(conv.system, conv.tools, conv.history, keep, False).ids) if conv.history else 0
+            counterfactual = self._counterfactual(conv, tpl, ns, new) if first else None
+            result = self.engine.step(
+                StepRequest(
+                    owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,
+                    forced=forced_ids, history_len=history_len,
+                    cache_output=conv.policy.caches_output, hold_chain=conv.policy.holds_chain,
+                )
+            )
+        finally:
+            self.materializer.user_exit()
+        return self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)
+
+    def _counterfactual(self, conv: Conversation, tpl: Template, ns: Namespace, new: list[Message]) -> dict:
+        """Keep vs drop for this turn's prompt, probed on the tree as it is now."""
+        generated = [e.message for e in conv.trace] + new
+        out = {}
+        for name, keep in (("keep", turn_rules.keep_all), ("drop", turn_rules.keep_from(new[0].turn))):
+            prompt = tpl.render(conv.system, conv.tools, generated, keep, True).ids
+            out[name] = turn_rules.counterfactual_entry(prompt, self.engine.probe(ns, prompt))
+        return out
+
+    def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual) -> Step:
+        """Record a successful step in every layer, then close the turn if it ended."""
+        step_index = 0 if new[0].role == "user" else len(conv.turns[-1].steps)
+        parsed = tpl.parse_output(result.output, f"call_{turn}_{step_index}")
+        reasoning = self.tokenizer.decode(parsed.reasoning_ids)
+        assistant = Message("assistant", turn, content=parsed.content, reasoning=reasoning,
+                            tool_calls=parsed.tool_calls, output_ids=tuple(result.output))
+        acc = result.accounting
+        if new[0].role == "user":
+            prev = conv.turns[-1] if conv.turns else None
+            state = turn_rules.cache_state(acc.cached_input_tokens, self.config.page_size,
+                                           prev.first_prompt_tokens if prev else None, conv.canonical_kind)
+            acc = dataclasses.replace(acc, cache_state=state, counterfactual=counterfactual)
+            conv.turns.append(TurnRecord(index=turn, first_prompt_tokens=len(prompt), cache_state=state,
+                                         counterfactual=counterfactual))
+        record = conv.turns[-1]
+        conv.history += [*new, assistant]
+        conv.trace += [TraceEntry(m) for m in new]
+        conv.trace.append(TraceEntry(assistant, step=step_index, finish_reason=result.finish_reason))
+        conv.chain_tokens = result.sequence
+        generated = (conv.protocol.generated_ids if conv.protocol else ()) + tuple(result.output)
+        if parsed.tool_calls:
+            conv.protocol = ProtocolState(turn, parsed.tool_calls, generated)
+            conv.canonical_kind = "generated"
+            finish = "tool_calls"
+        else:
+            conv.protocol = None
+            acc = self._close_turn(conv, tpl, ns, record, prompt + list(result.output), acc, parsed)
+            finish = result.finish_reason
+        record.steps.append(acc)
+        return Step(
+            conversation_id=conv.id, turn=turn, step=step_index, reasoning=reasoning,
+            content=parsed.content, tool_calls=[c.as_dict() for c in parsed.tool_calls],
+            finish_reason=finish, output_ids=result.output, logprobs=result.logprobs, accounting=acc,
+        )
+
+    def _close_turn(self, conv, tpl, ns, record: TurnRecord, generated: list[int], acc, parsed):
+        """Apply the reasoning policy to the closed turn: rebuild the canonical
+        history, find the fork, hold the chain at the fork and maybe schedule the
+        canonical branch. Returns the step's accounting with the real next context."""
+        record.closed = True
+        keep = conv.policy.kept_turns(conv.closed_turns)
+        conv.history = [
+            turn_rules.drop_reasoning(m, tpl.end_think, tpl.eos, tpl.parse_output(m.output_ids, "").answer_ids)
+            if m.role == "assistant" and not keep(m.turn) and m.reasoning
+            else m
+            for m in conv.history
+        ]
+        canonical = tpl.render(conv.system, conv.tools, conv.history, keep, False).ids
+        fork = turn_rules.common_prefix(generated, canonical)
+        record.fork_tokens = fork
+        acc = dataclasses.replace(acc, active_context_length=len(canonical))
+        if fork >= len(generated):
+            conv.canonical_kind = "generated"  # nothing dropped: the chain is canonical
+            return acc
+        conv.canonical_kind = "prefix"
+        if not conv.policy.holds_chain:
+            return acc
+        # A's KV was computed after R: past the fork nothing may be reused. Hold
+        # only the shared prefix; the generated branch is left to LRU.
+        self.engine.lock_prefix(conv.id, ns, canonical[:fork])
+        if conv.policy.may_materialize:
+            pools = self.engine.pools
+            free = pools.allocator.available_size() + self.engine.tree.evictable_size()
+            ok, why = conv.materialize.decide(
+                reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
+                answer_tokens=len(canonical) - fork,
+                free_fraction=free / pools.capacity,
+                idle=self.materializer.waiting_users <= 1,
+            )
+            record.materialize = ("scheduled: " if ok else "skipped: ") + why
+            if ok:
+                self.materializer.submit(conv.id, canonical, ns)
+        return acc
 
     # ----- inspection ---------------------------------------------------------
 
@@ -146,15 +324,18 @@ class Runtime:
         with self.engine.lock:
             chain_len = self.engine.tree.chain_tokens(conv.id)
             out = {
-                "id": conv.id,
-                "system": conv.system,
-                "tenant": conv.tenant,
-                "trace": [e.__dict__ for e in conv.trace],
-                "history": [{"role": m.role, "content": m.content, "reasoning": m.reasoning} for m in conv.history],
-                "turns": [[a.as_dict() for a in t] for t in conv.turns],
+                "id": conv.id, "system": conv.system, "tenant": conv.tenant, "template": conv.template,
+                "policy": conv.policy.name, "keep_last_k": conv.policy.keep_last_k,
+                "materialize": conv.materialize.mode, "tools": conv.tools,
+                "trace": [e.as_dict() for e in conv.trace],
+                "history": [{"role": m.role, "turn": m.turn, "content": m.content, "reasoning": m.reasoning,
+                             "tool_calls": [c.as_dict() for c in m.tool_calls], "tool_call_id": m.tool_call_id}
+                            for m in conv.history],
+                "pending_tool_calls": [c.as_dict() for c in conv.protocol.pending_calls] if conv.protocol else [],
+                "turns": [t.as_dict() for t in conv.turns],
                 "chain": {
-                    "sequence_tokens": len(conv.chain_tokens),
-                    "cached_tokens": chain_len,
+                    "sequence_tokens": len(conv.chain_tokens), "cached_tokens": chain_len,
+                    "kind": conv.canonical_kind,
                     "kv_device_bytes": chain_len * self.engine.bytes_per_token,
                 },
             }
@@ -166,12 +347,12 @@ class Runtime:
         if conversation is not None:
             self.get(conversation)
         with self.engine.lock:
-            return self.engine.tree.snapshot(preview=self._preview, owner=conversation)
+            return self.engine.tree.snapshot(preview=self.tokenizer.decode, owner=conversation)
 
     def chains(self) -> dict[str, int]:
         """Tokens each conversation's chain holds in the tree."""
         with self.engine.lock:
-            return {cid: self.engine.tree.chain_tokens(cid) for cid in self.conversations}
+            return {cid: self.engine.tree.chain_tokens(cid) for cid in list(self.conversations)}
 
     def gauges(self) -> dict[str, float]:
         """Pool usage for /metrics."""
@@ -183,13 +364,17 @@ class Runtime:
                 "tree_locked_tokens": tree.protected_size(),
                 "tree_evictable_tokens": tree.evictable_size(),
                 "conversations": len(self.conversations),
+                "materialized_total": self.materializer.stats["done"],
+                "materialize_cancelled_total": self.materializer.stats["cancelled"],
+                "materialize_joined_total": self.materializer.stats["joined"],
             }
 
-    def _preview(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
-
     def check_integrity(self) -> None:
+        """Assert pools, locks and chains add up, and every chain has a conversation."""
         with self.engine.lock:
             self.engine.check_integrity()
             for cid in self.engine.tree.chains:
                 assert cid in self.conversations, f"chain {cid} has no conversation"
+
+    def close(self) -> None:
+        self.materializer.close()

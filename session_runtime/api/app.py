@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from session_runtime.api.schemas import CreateConversation, SendMessage
+from session_runtime.api.schemas import CreateConversation, SendMessage, SendToolResults
 from session_runtime.errors import RuntimeErrorBase
 from session_runtime.metrics import Metrics
 from session_runtime.runtime import Runtime
@@ -46,7 +46,7 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.post("/v1/conversations", status_code=201)
     def create(body: CreateConversation) -> dict:
-        cid = runtime.create_conversation(system=body.system, tenant=body.tenant)
+        cid = runtime.create_conversation(**body.model_dump())
         return runtime.describe(cid)
 
     @app.get("/v1/conversations/{cid}")
@@ -58,16 +58,20 @@ def create_app(runtime: Runtime) -> FastAPI:
         runtime.delete_conversation(cid)
         return {"id": cid, "deleted": True}
 
-    @app.post("/v1/conversations/{cid}/messages")
-    def message(cid: str, body: SendMessage) -> dict:
+    def timed(call, *args, **kwargs) -> dict:
         t0 = time.perf_counter()
-        step = runtime.send_message(
-            cid, body.content, max_tokens=body.max_tokens, temperature=body.temperature,
-            seed=body.seed, logprobs=body.logprobs,
-            forced=body.forced.model_dump() if body.forced else None,
-        )
+        step = call(*args, **kwargs)
         metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
         return step.as_dict()
+
+    @app.post("/v1/conversations/{cid}/messages")
+    def message(cid: str, body: SendMessage) -> dict:
+        return timed(runtime.send_message, cid, body.content, **body.options())
+
+    @app.post("/v1/conversations/{cid}/tool_results")
+    def tool_results(cid: str, body: SendToolResults) -> dict:
+        results = [r.model_dump() for r in body.results]
+        return timed(runtime.send_tool_results, cid, results, **body.options())
 
     @app.get("/debug/tree")
     def tree(conversation: str | None = None) -> dict:

@@ -2,28 +2,60 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class ForcedCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: dict = Field(default_factory=dict)
 
 
 class Forced(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reasoning: str = ""
     content: str = ""
+    tool_calls: list[ForcedCall] = Field(default_factory=list)
 
 
 class CreateConversation(BaseModel):
     model_config = ConfigDict(extra="forbid")
     system: Optional[str] = None
+    tools: Optional[list[dict]] = None
     tenant: Optional[str] = None
+    policy: Optional[Literal["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"]] = None
+    keep_last_k: int = Field(default=1, ge=0)
+    materialize: Literal["auto", "always", "never"] = "auto"
+    template: Optional[Literal["deepseek", "qwen3"]] = None
+    continue_probability: float = Field(default=0.8, ge=0.0, le=1.0)
 
 
-class SendMessage(BaseModel):
+class StepOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    content: str = Field(min_length=1)
     max_tokens: int = Field(default=64, ge=0)
     temperature: float = Field(default=0.0, ge=0.0)
     seed: Optional[int] = None
     logprobs: bool = False
     forced: Optional[Forced] = None
+
+    def options(self) -> dict:
+        return {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed,
+            "logprobs": self.logprobs, "forced": self.forced.model_dump() if self.forced else None,
+        }
+
+
+class SendMessage(StepOptions):
+    content: str = Field(min_length=1)
+
+
+class ToolResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tool_call_id: str
+    content: str = ""
+
+
+class SendToolResults(StepOptions):
+    results: list[ToolResult] = Field(min_length=1)

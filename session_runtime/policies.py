@@ -1,0 +1,95 @@
+"""Reasoning policies and the canonical-branch materialization decision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from session_runtime.errors import InvalidRequest
+from session_runtime.templates.base import KeepReasoning
+
+POLICIES = ("keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache")
+MATERIALIZE_MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class ReasoningPolicy:
+    """What the next prompt keeps of closed turns' reasoning, and how KV is held.
+
+    - keep: every turn's reasoning is replayed; the chain is the generated sequence.
+    - drop: closed turns lose their reasoning; the open tool chain keeps it.
+    - keep_last_k: only the last k closed turns keep their reasoning.
+    - engine_default (baseline, today's SGLang): the template drops reasoning, no
+      conversation holds a lock, the generated branch is left to LRU.
+    - strip_thinking_cache (baseline, SGLang's flag): as engine_default, and a
+      step's output is never cached, tool-chain steps included.
+    """
+
+    name: str = "drop"
+    keep_last_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise InvalidRequest(f"policy must be one of {', '.join(POLICIES)}; got {self.name!r}")
+        if self.keep_last_k < 0:
+            raise InvalidRequest(f"keep_last_k must be >= 0, got {self.keep_last_k}")
+
+    def kept_turns(self, closed_turns: int) -> KeepReasoning:
+        """Which turns keep reasoning once `closed_turns` turns have closed. The
+        open turn (index closed_turns) always keeps it: the tool chain continues
+        exactly."""
+        if self.name == "keep":
+            return lambda turn: True
+        if self.name == "keep_last_k":
+            first_kept = closed_turns - self.keep_last_k
+            return lambda turn: turn >= first_kept
+        return lambda turn: turn >= closed_turns
+
+    @property
+    def holds_chain(self) -> bool:
+        """Does the conversation lock its chain between steps?"""
+        return self.name not in ("engine_default", "strip_thinking_cache")
+
+    @property
+    def caches_output(self) -> bool:
+        return self.name != "strip_thinking_cache"
+
+    @property
+    def may_materialize(self) -> bool:
+        return self.name in ("drop", "keep_last_k")
+
+
+@dataclass(frozen=True)
+class MaterializeSettings:
+    """When to prefill the canonical branch in idle time after a turn closes.
+
+    `auto` materializes when the conversation is likely to continue, the
+    dropped reasoning is long against the answer (the fork saves |R| of
+    context for |A| of prefill), the engine is idle and the pool has room.
+    """
+
+    mode: str = "auto"
+    continue_probability: float = 0.8  # expected chance of another user turn
+    min_continue_probability: float = 0.5
+    min_reasoning_ratio: float = 1.0  # |R| / |A| below this: not worth it
+    min_free_fraction: float = 0.10  # free share of the device pool
+    require_idle: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MATERIALIZE_MODES:
+            raise InvalidRequest(f"materialize must be one of {', '.join(MATERIALIZE_MODES)}; got {self.mode!r}")
+        if not 0.0 <= self.continue_probability <= 1.0:
+            raise InvalidRequest("continue_probability must be within [0, 1]")
+
+    def decide(self, reasoning_tokens: int, answer_tokens: int, free_fraction: float, idle: bool) -> tuple[bool, str]:
+        """(materialize?, why) for one closed turn."""
+        if self.mode != "auto":
+            return self.mode == "always", f"materialize={self.mode}"
+        if self.continue_probability < self.min_continue_probability:
+            return False, "conversation unlikely to continue"
+        if reasoning_tokens < self.min_reasoning_ratio * max(answer_tokens, 1):
+            return False, f"|R|/|A| = {reasoning_tokens}/{answer_tokens} below {self.min_reasoning_ratio}"
+        if free_fraction < self.min_free_fraction:
+            return False, f"pool {free_fraction:.0%} free, below {self.min_free_fraction:.0%}"
+        if self.require_idle and not idle:
+            return False, "engine busy"
+        return True, "auto"

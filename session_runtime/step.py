@@ -1,0 +1,30 @@
+"""What a step returns to the caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from session_runtime.accounting import StepAccounting
+
+
+@dataclass(frozen=True)
+class Step:
+    conversation_id: str
+    turn: int
+    step: int
+    reasoning: str
+    content: str
+    tool_calls: list[dict]
+    finish_reason: str  # stop, length, forced or tool_calls
+    output_ids: list[int]
+    logprobs: Optional[list[float]]
+    accounting: StepAccounting
+
+    def as_dict(self) -> dict:
+        return {
+            "conversation_id": self.conversation_id, "turn": self.turn, "step": self.step,
+            "reasoning": self.reasoning, "content": self.content, "tool_calls": self.tool_calls,
+            "finish_reason": self.finish_reason, "logprobs": self.logprobs,
+            "accounting": self.accounting.as_dict(),
+        }

@@ -1,0 +1,95 @@
+"""Messages, typed spans and the template contract.
+
+Rendering is segment-wise: each message renders to a run of tokens fixed by
+the message and by whether its turn keeps its reasoning, never by what comes
+after it. Assistant messages replay the ids they were generated as, so inside
+an open turn the rendering is exactly the generated sequence, and the only
+place a rendering changes is where a closed turn drops its reasoning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+from session_runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "name": self.name, "arguments": self.arguments}
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "user", "assistant" or "tool"
+    turn: int
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""  # tool messages: the call they answer
+    output_ids: tuple[int, ...] = ()  # assistant: the ids exactly as generated
+
+
+@dataclass(frozen=True)
+class Span:
+    kind: str  # bos, system, user, think_open, think_skip, reasoning, answer, tool_call, tool_result, eos
+    start: int
+    end: int
+
+
+@dataclass
+class Rendered:
+    ids: list[int] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+
+    def add(self, kind: str, ids: Sequence[int]) -> None:
+        if ids:
+            self.spans.append(Span(kind, len(self.ids), len(self.ids) + len(ids)))
+            self.ids.extend(ids)
+
+    def length_of(self, kind: str) -> int:
+        return sum(s.end - s.start for s in self.spans if s.kind == kind)
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    reasoning_ids: list[int]
+    answer_ids: list[int]  # everything after the reasoning: content and tool-call text
+    content: str
+    tool_calls: tuple[ToolCall, ...]
+    ended: bool  # the output closed with eos
+
+
+KeepReasoning = Callable[[int], bool]  # turn index -> does that turn keep its reasoning?
+
+
+class Template(Protocol):
+    name: str
+    tok: Tokenizer
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]: ...
+
+    def render(
+        self,
+        system: Optional[str],
+        tools: Sequence[dict],
+        messages: Sequence[Message],
+        keep: KeepReasoning,
+        generation_prompt: bool,
+    ) -> Rendered: ...
+
+    def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput: ...
+
+    def forced_ids(self, reasoning: str, content: str, tool_calls: Sequence[ToolCall]) -> list[int]: ...
+
+
+def tool_schema(tool: dict) -> dict:
+    """Accept OpenAI's {"type": "function", "function": {...}} or the bare function."""
+    return tool.get("function", tool) if isinstance(tool, dict) else tool

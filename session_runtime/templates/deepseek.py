@@ -1,0 +1,162 @@
+"""DeepSeek V3.2/V4 thinking format (reference: sglang's encoding_dsv32.py).
+
+    <bos>{system}<｜User｜>{u}<｜Assistant｜><think>{r}</think>{a}<eos>
+    ... tool calls as DSML text, results as <function_results>, then <think>.
+
+A turn that keeps its reasoning renders `<think>` after the user message and its
+assistant messages replay their generated ids; a turn that drops it renders
+`</think>` there and only the answer (content and tool calls) after it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Optional, Sequence
+
+from session_runtime.templates.base import (
+    KeepReasoning,
+    Message,
+    ParsedOutput,
+    Rendered,
+    ToolCall,
+    tool_schema,
+)
+from session_runtime.tokenizer import Tokenizer
+
+DSML = "｜DSML｜"
+_TOOLS_HEADER = (
+    "## Tools\nYou have access to a set of tools you can use to answer the user's question.\n"
+    f'You can invoke functions by writing a "<{DSML}function_calls>" block like the following '
+    "as part of your reply to the user:\n"
+    f'<{DSML}function_calls>\n<{DSML}invoke name="$FUNCTION_NAME">\n'
+    f'<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML}parameter>\n'
+    f"...\n</{DSML}invoke>\n</{DSML}function_calls>\n"
+    "Here are the functions available in JSONSchema format:\n<functions>\n{schemas}\n</functions>\n"
+)
+_INVOKE = re.compile(rf'<{DSML}invoke name="([^"]*)">\n(.*?)\n?</{DSML}invoke>', re.S)
+_PARAM = re.compile(rf'<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>', re.S)
+_CALLS_START = f"\n\n<{DSML}function_calls>"
+
+
+def _dsml_calls(calls: Sequence[ToolCall]) -> str:
+    if not calls:
+        return ""
+    invokes = []
+    for call in calls:
+        params = "\n".join(
+            f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+            f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{DSML}parameter>"
+            for k, v in call.arguments.items()
+        )
+        invokes.append(f'<{DSML}invoke name="{call.name}">\n{params}\n</{DSML}invoke>')
+    return f"{_CALLS_START}\n" + "\n".join(invokes) + f"\n</{DSML}function_calls>"
+
+
+def _parse_calls(text: str, call_id_base: str) -> tuple[str, tuple[ToolCall, ...]]:
+    cut = text.find(_CALLS_START)
+    if cut < 0:
+        return text, ()
+    calls = []
+    for k, (name, body) in enumerate(_INVOKE.findall(text[cut:])):
+        args = {}
+        for key, is_str, value in _PARAM.findall(body):
+            if is_str == "true":
+                args[key] = value
+            else:
+                try:
+                    args[key] = json.loads(value)
+                except ValueError:
+                    args[key] = value
+        calls.append(ToolCall(id=f"{call_id_base}_{k}", name=name, arguments=args))
+    return text[:cut], tuple(calls)
+
+
+class DeepSeekTemplate:
+    name = "deepseek"
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.bos = tok.token_id("<｜begin▁of▁sentence｜>")
+        self.eos = tok.token_id("<｜end▁of▁sentence｜>")
+        self.user = tok.token_id("<｜User｜>")
+        self.assistant = tok.token_id("<｜Assistant｜>")
+        self.think = tok.token_id("<think>")
+        self.end_think = tok.token_id("</think>")
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return frozenset({self.eos})
+
+    def _marker(self, out: Rendered, keep: bool) -> None:
+        # Where the assistant's output starts: open a think block, or skip it.
+        out.add("think_open", [self.think]) if keep else out.add("think_skip", [self.end_think])
+
+    def render(
+        self,
+        system: Optional[str],
+        tools: Sequence[dict],
+        messages: Sequence[Message],
+        keep: KeepReasoning,
+        generation_prompt: bool = True,
+    ) -> Rendered:
+        out = Rendered()
+        out.add("bos", [self.bos])
+        text = system or ""
+        if tools:
+            schemas = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in tools)
+            text = (text + "\n\n" if text else "") + _TOOLS_HEADER.replace("{schemas}", schemas)
+        out.add("system", self.tok.encode(text) if text else [])
+        i = 0
+        while i < len(messages):
+            msg = messages[i]
+            if msg.role == "user":
+                out.add("user", [self.user, *self.tok.encode(msg.content), self.assistant])
+                self._marker(out, keep(msg.turn))
+                i += 1
+            elif msg.role == "assistant":
+                self._render_assistant(out, msg, keep(msg.turn))
+                i += 1
+            elif msg.role == "tool":
+                j = i
+                while j < len(messages) and messages[j].role == "tool":
+                    j += 1
+                self._render_results(out, messages[i:j], keep(msg.turn))
+                i = j
+            else:
+                raise ValueError(f"unknown role {msg.role!r}")
+        if not generation_prompt and messages and messages[-1].role != "assistant":
+            last = out.spans.pop()  # the trailing marker is the generation prompt
+            del out.ids[last.start :]
+        return out
+
+    def _render_assistant(self, out: Rendered, msg: Message, keep: bool) -> None:
+        parsed = self.parse_output(msg.output_ids, "")
+        if keep:
+            out.add("reasoning", parsed.reasoning_ids)
+            out.add("reasoning_end", [self.end_think] if self.end_think in msg.output_ids else [])
+        out.add("answer", parsed.answer_ids)
+        out.add("eos", [self.eos])
+
+    def _render_results(self, out: Rendered, results: Sequence[Message], keep: bool) -> None:
+        text = "\n\n<function_results>" + "".join(f"\n<result>{m.content}</result>" for m in results)
+        out.add("tool_result", self.tok.encode(text + "\n</function_results>\n\n"))
+        self._marker(out, keep)
+
+    def forced_ids(self, reasoning: str, content: str, tool_calls: Sequence[ToolCall] = ()) -> list[int]:
+        """Ids of an assistant output given as text (trace replay, client history)."""
+        answer = content + _dsml_calls(tool_calls)
+        return [*self.tok.encode(reasoning), self.end_think, *self.tok.encode(answer), self.eos]
+
+    def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput:
+        ids = list(ids)
+        ended = bool(ids) and ids[-1] == self.eos
+        if ended:
+            ids = ids[:-1]
+        if self.end_think in ids:
+            cut = ids.index(self.end_think)
+            reasoning, answer = ids[:cut], ids[cut + 1 :]
+        else:  # still thinking when the output stopped
+            reasoning, answer = ids, []
+        content, calls = _parse_calls(self.tok.decode(answer), call_id_base)
+        return ParsedOutput(reasoning, answer, content, calls, ended)

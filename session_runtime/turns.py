@@ -1,0 +1,52 @@
+"""Turn-level rules: the fork at a turn's close, cache states and counterfactuals.
+
+Pure functions over token sequences and probe results; the Runtime applies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+from radix_ext.tree import ProbeResult
+from session_runtime.templates.base import Message
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def drop_reasoning(msg: Message, end_think: int, eos: int, answer_ids: Sequence[int]) -> Message:
+    """The canonical form of an assistant message whose turn dropped its reasoning:
+    no reasoning text, and ids that hold only the answer (content and tool calls)."""
+    return dataclasses.replace(msg, reasoning="", output_ids=(end_think, *answer_ids, eos))
+
+
+def cache_state(cached: int, page_size: int, prev_prompt_tokens: Optional[int], prev_kind: str) -> str:
+    """Which of the seed's four states served a turn's first step.
+
+    prefix_only: nothing past the previous turn's prompt P was reused;
+    generated_branch / canonical_branch: reuse went past P along that branch.
+    """
+    if cached == 0:
+        return "none"
+    if prev_prompt_tokens is None or cached <= prev_prompt_tokens // page_size * page_size:
+        return "prefix_only"
+    return "canonical_branch" if prev_kind == "canonical" else "generated_branch"
+
+
+def counterfactual_entry(prompt: Sequence[int], probe: ProbeResult) -> dict:
+    reused = probe.device_len
+    return {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reused, "context_tokens": len(prompt)}
+
+
+def keep_all(_: int) -> bool:
+    return True
+
+
+def keep_from(turn: int) -> Callable[[int], bool]:
+    return lambda t: t >= turn
