@@ -34,8 +34,9 @@ class Runtime:
 
     def __init__(self, config: Optional[RuntimeConfig] = None, *, background: bool = True):
         self.config = config or RuntimeConfig()
-        self.tokenizer = load_tokenizer(self.config.model)
-        decoder = build_decoder(self.config.model, self.config.seed, self.config.torch_dtype, self.config.device)
+        self.tokenizer = load_tokenizer(self.config.model, self.config.template)
+        decoder = build_decoder(self.config.model, self.config.seed, self.config.torch_dtype,
+                                self.config.device, min_vocab=self.tokenizer.vocab_size)
         if self.tokenizer.vocab_size > decoder.cfg.vocab_size:
             raise InvalidRequest(
                 f"tokenizer has {self.tokenizer.vocab_size} ids, the model only {decoder.cfg.vocab_size}"
@@ -245,7 +246,7 @@ class Runtime:
         """Record a successful step in every layer, then close the turn if it ended."""
         step_index = 0 if new[0].role == "user" else len(conv.turns[-1].steps)
         parsed = tpl.parse_output(result.output, f"call_{turn}_{step_index}")
-        reasoning = self.tokenizer.decode(parsed.reasoning_ids)
+        reasoning = parsed.reasoning
         assistant = Message("assistant", turn, content=parsed.content, reasoning=reasoning,
                             tool_calls=parsed.tool_calls, output_ids=tuple(result.output))
         acc = result.accounting
@@ -284,7 +285,7 @@ class Runtime:
         record.closed = True
         keep = conv.policy.kept_turns(conv.closed_turns)
         conv.history = [
-            turn_rules.drop_reasoning(m, tpl.end_think, tpl.eos, tpl.parse_output(m.output_ids, "").answer_ids)
+            tpl.strip_reasoning(m)
             if m.role == "assistant" and not keep(m.turn) and m.reasoning
             else m
             for m in conv.history

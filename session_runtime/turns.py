@@ -5,11 +5,9 @@ Pure functions over token sequences and probe results; the Runtime applies them.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional, Sequence
 
 from radix_ext.tree import ProbeResult
-from session_runtime.templates.base import Message
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -18,12 +16,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def drop_reasoning(msg: Message, end_think: int, eos: int, answer_ids: Sequence[int]) -> Message:
-    """The canonical form of an assistant message whose turn dropped its reasoning:
-    no reasoning text, and ids that hold only the answer (content and tool calls)."""
-    return dataclasses.replace(msg, reasoning="", output_ids=(end_think, *answer_ids, eos))
 
 
 def cache_state(cached: int, page_size: int, prev_prompt_tokens: Optional[int], prev_kind: str) -> str:

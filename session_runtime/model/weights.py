@@ -3,6 +3,7 @@ Hugging Face folder (config.json + *.safetensors). Nothing is downloaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -83,10 +84,12 @@ def load_hf_decoder(folder: Path, dtype: torch.dtype, device: str) -> Decoder:
     return model.to(device=device, dtype=dtype).eval()
 
 
-def build_decoder(model: str, seed: int, dtype: torch.dtype, device: str) -> Decoder:
-    """A preset name gives random weights; an existing folder gives its weights."""
+def build_decoder(model: str, seed: int, dtype: torch.dtype, device: str, min_vocab: int = 0) -> Decoder:
+    """A preset name gives random weights (the vocabulary widened to `min_vocab`
+    so every tokenizer id has a row); an existing folder gives its weights."""
     if model in PRESETS:
-        return random_decoder(PRESETS[model], seed, dtype, device)
+        cfg = PRESETS[model]
+        return random_decoder(dataclasses.replace(cfg, vocab_size=max(cfg.vocab_size, min_vocab)), seed, dtype, device)
     folder = Path(model)
     if folder.is_dir() and (folder / "config.json").exists():
         return load_hf_decoder(folder, dtype, device)

@@ -64,6 +64,7 @@ class ParsedOutput:
     content: str
     tool_calls: tuple[ToolCall, ...]
     ended: bool  # the output closed with eos
+    reasoning: str = ""  # the reasoning as text, without the template's markers
 
 
 KeepReasoning = Callable[[int], bool]  # turn index -> does that turn keep its reasoning?
@@ -88,6 +89,8 @@ class Template(Protocol):
     def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput: ...
 
     def forced_ids(self, reasoning: str, content: str, tool_calls: Sequence[ToolCall]) -> list[int]: ...
+
+    def strip_reasoning(self, msg: Message) -> Message: ...
 
 
 def tool_schema(tool: dict) -> dict:

@@ -10,6 +10,7 @@ assistant messages replay their generated ids; a turn that drops it renders
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Optional, Sequence
@@ -159,4 +160,10 @@ class DeepSeekTemplate:
         else:  # still thinking when the output stopped
             reasoning, answer = ids, []
         content, calls = _parse_calls(self.tok.decode(answer), call_id_base)
-        return ParsedOutput(reasoning, answer, content, calls, ended)
+        return ParsedOutput(reasoning, answer, content, calls, ended, self.tok.decode(reasoning))
+
+    def strip_reasoning(self, msg: Message) -> Message:
+        """The canonical form of an assistant message whose turn drops its
+        reasoning: no reasoning text, ids holding only the answer."""
+        answer = self.parse_output(msg.output_ids, "").answer_ids
+        return dataclasses.replace(msg, reasoning="", output_ids=(self.end_think, *answer, self.eos))
