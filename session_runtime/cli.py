@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"],
                        help="default reasoning policy of new conversations")
     serve.add_argument("--template", default=_DEFAULTS.template, choices=["deepseek", "qwen3"])
+    serve.add_argument("--data-dir", default="data", help="SQLite store of conversations ('' keeps them in memory)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     return parser
@@ -38,7 +39,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(
         model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
-        policy=args.policy, template=args.template,
+        policy=args.policy, template=args.template, data_dir=args.data_dir or None,
     )
 
 

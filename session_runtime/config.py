@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -84,6 +85,7 @@ class RuntimeConfig:
     seed: int = 0
     policy: str = "drop"  # default reasoning policy of new conversations
     template: str = "deepseek"  # default chat template of new conversations
+    data_dir: Optional[str] = None  # SQLite store of conversations; None keeps them in memory
     model_id: str = ""  # namespace override; defaults to the model name
 
     def __post_init__(self) -> None:

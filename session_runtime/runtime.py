@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
+from pathlib import Path
 from typing import Optional, Sequence
 
 from radix_ext.tree import Namespace, NodeInfo
@@ -23,6 +24,7 @@ from session_runtime.model.weights import build_decoder
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
+from session_runtime.store import Store
 from session_runtime.templates import Message, Template, ToolCall, build_template
 from session_runtime.tokenizer import load_tokenizer
 from session_runtime import turns as turn_rules
@@ -50,6 +52,16 @@ class Runtime:
         self._conv_locks: dict[str, threading.Lock] = {}
         self._lock = threading.RLock()
         self.template(self.config.template)  # fail at start, not on the first request
+        self.store: Optional[Store] = None
+        if self.config.data_dir:
+            self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
+            for conv in self.store.load_all():
+                self.conversations[conv.id] = conv
+                self._conv_locks[conv.id] = threading.Lock()
+
+    def _persist(self, conv: Conversation) -> None:
+        if self.store is not None:
+            self.store.save(conv)
 
     # ----- conversations ------------------------------------------------------
 
@@ -97,6 +109,7 @@ class Runtime:
         with self._lock:
             self.conversations[conv.id] = conv
             self._conv_locks[conv.id] = threading.Lock()
+        self._persist(conv)
         return conv.id
 
     def get(self, conversation_id: str) -> Conversation:
@@ -115,6 +128,8 @@ class Runtime:
             with self._lock:
                 self.conversations.pop(conv.id, None)
             self.engine.release(conv.id)
+            if self.store is not None:
+                self.store.delete(conv.id)
 
     # ----- steps ----------------------------------------------------------------
 
@@ -231,7 +246,9 @@ class Runtime:
             )
         finally:
             self.materializer.user_exit()
-        return self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)
+        step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)
+        self._persist(conv)  # before the response returns
+        return step
 
     def _counterfactual(self, conv: Conversation, tpl: Template, ns: Namespace, new: list[Message]) -> dict:
         """Keep vs drop for this turn's prompt, probed on the tree as it is now."""
@@ -379,3 +396,5 @@ class Runtime:
 
     def close(self) -> None:
         self.materializer.close()
+        if self.store is not None:
+            self.store.close()
