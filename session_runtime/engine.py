@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -36,6 +36,7 @@ class StepRequest:
     return_logits: bool = False  # keep logits of every computed position (tests)
     cache_output: bool = True  # False: cache only the prompt (SGLang --strip-thinking-cache)
     hold_chain: bool = True  # False: lock nothing after the step (SGLang: no sessions)
+    on_token: Optional[Callable[[int], None]] = None  # called with each output token (streaming)
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,8 @@ class Engine:
             model_s += time.perf_counter() - t
             decode_end_t = time.perf_counter()
             finish, computed = "forced", prompt + forced
+            for tok in forced if req.on_token else ():
+                req.on_token(tok)
         else:
             sampler = Sampler(sp)
             limit = min(sp.max_tokens, self.config.max_context - n)
@@ -257,6 +260,8 @@ class Engine:
                 if sp.logprobs:
                     logprobs.append(token_logprob(last, tok))
                 output.append(tok)
+                if req.on_token is not None:
+                    req.on_token(tok)
                 if first_token_t is None:
                     first_token_t = time.perf_counter()
                 if tok in sp.stop_token_ids:

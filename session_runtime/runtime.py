@@ -12,7 +12,7 @@ import dataclasses
 import threading
 import uuid
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from radix_ext.tree import Namespace, NodeInfo
 from session_runtime.config import RuntimeConfig
@@ -143,6 +143,7 @@ class Runtime:
         seed: Optional[int] = None,
         logprobs: bool = False,
         forced: Optional[dict] = None,
+        on_token: Optional[Callable[[int], None]] = None,
     ) -> Step:
         """Open a turn with a user message and run its first step.
 
@@ -160,7 +161,7 @@ class Runtime:
                 raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}")
             turn = len(conv.turns)
             return self._step(conv, [Message("user", turn, content)], turn,
-                              self._sampling(conv, max_tokens, temperature, seed, logprobs), forced)
+                              self._sampling(conv, max_tokens, temperature, seed, logprobs), forced, on_token)
 
     def send_tool_results(
         self,
@@ -172,6 +173,7 @@ class Runtime:
         seed: Optional[int] = None,
         logprobs: bool = False,
         forced: Optional[dict] = None,
+        on_token: Optional[Callable[[int], None]] = None,
     ) -> Step:
         """Answer every pending tool call of the open turn and run its next step.
 
@@ -197,7 +199,8 @@ class Runtime:
                 raise InvalidRequest(f"results must answer every pending call; missing {missing}")
             turn = conv.protocol.turn
             msgs = [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
-            return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs), forced)
+            return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs),
+                              forced, on_token)
 
     def _sampling(self, conv, max_tokens, temperature, seed, logprobs) -> SamplingParams:
         return SamplingParams(
@@ -221,7 +224,7 @@ class Runtime:
         return tpl.forced_ids(reasoning, content, calls)
 
     def _step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
-              forced: Optional[dict]) -> Step:
+              forced: Optional[dict], on_token: Optional[Callable[[int], None]] = None) -> Step:
         tpl = self.template(conv.template)
         forced_ids = self._forced_ids(tpl, forced)
         ns = self.namespace(conv)
@@ -242,6 +245,7 @@ class Runtime:
                     owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,
                     forced=forced_ids, history_len=history_len,
                     cache_output=conv.policy.caches_output, hold_chain=conv.policy.holds_chain,
+                    on_token=on_token,
                 )
             )
         finally:

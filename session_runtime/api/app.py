@@ -12,8 +12,9 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from session_runtime.api.streaming import sse_step
 from session_runtime.api.schemas import CreateConversation, SendMessage, SendToolResults
 from session_runtime.errors import RuntimeErrorBase
 from session_runtime.metrics import Metrics
@@ -64,14 +65,26 @@ def create_app(runtime: Runtime) -> FastAPI:
         metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
         return step.as_dict()
 
+    def respond(call, cid: str, first_arg, body):
+        conv = runtime.get(cid)  # 404 before any stream starts
+        if not body.stream:
+            return timed(call, cid, first_arg, **body.options())
+
+        def run(on_token):
+            t0 = time.perf_counter()
+            step = call(cid, first_arg, on_token=on_token, **body.options())
+            metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
+            return step
+
+        return StreamingResponse(sse_step(run, runtime.template(conv.template)), media_type="text/event-stream")
+
     @app.post("/v1/conversations/{cid}/messages")
-    def message(cid: str, body: SendMessage) -> dict:
-        return timed(runtime.send_message, cid, body.content, **body.options())
+    def message(cid: str, body: SendMessage):
+        return respond(runtime.send_message, cid, body.content, body)
 
     @app.post("/v1/conversations/{cid}/tool_results")
-    def tool_results(cid: str, body: SendToolResults) -> dict:
-        results = [r.model_dump() for r in body.results]
-        return timed(runtime.send_tool_results, cid, results, **body.options())
+    def tool_results(cid: str, body: SendToolResults):
+        return respond(runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body)
 
     @app.get("/debug/tree")
     def tree(conversation: str | None = None) -> dict:

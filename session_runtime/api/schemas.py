@@ -39,6 +39,7 @@ class StepOptions(BaseModel):
     seed: Optional[int] = None
     logprobs: bool = False
     forced: Optional[Forced] = None
+    stream: bool = False
 
     def options(self) -> dict:
         return {

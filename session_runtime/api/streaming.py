@@ -1,0 +1,58 @@
+"""Server-sent events for a step: reasoning and content deltas as tokens are
+decoded, then one final event with the whole step and its accounting.
+
+The step runs on its own thread and commits whatever happens to the client:
+a client that disconnects mid-stream leaves a complete, consistent turn.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from typing import Callable, Iterator
+
+from session_runtime.errors import RuntimeErrorBase
+from session_runtime.step import Step
+from session_runtime.templates.base import Template
+
+Format = Callable[[str, object], dict]  # (kind, payload) -> event body
+
+
+def session_event(kind: str, payload: object) -> dict:
+    if kind == "step":
+        return {"type": "step", **payload.as_dict()}
+    if kind == "error":
+        return {"type": "error", "error": payload}
+    return {"type": kind, "delta": payload}
+
+
+def sse_step(run: Callable[[Callable[[int], None]], Step], tpl: Template, fmt: Format = session_event) -> Iterator[str]:
+    """Yield SSE lines for `run(on_token)`. Ends with `data: [DONE]`."""
+    events: queue.Queue = queue.Queue()
+
+    def worker() -> None:
+        try:
+            events.put(("step", run(lambda tok: events.put(("token", tok)))))
+        except RuntimeErrorBase as exc:
+            events.put(("error", {"type": exc.error_type, "message": str(exc), "status": exc.status}))
+        except Exception as exc:  # an engine bug: report it rather than hang the stream
+            events.put(("error", {"type": "internal", "message": f"{type(exc).__name__}: {exc}", "status": 500}))
+
+    threading.Thread(target=worker, name="sse-step", daemon=True).start()
+    ids: list[int] = []
+    sent = {"reasoning": "", "content": ""}
+    while True:
+        kind, value = events.get()
+        if kind == "token":
+            ids.append(value)
+            parsed = tpl.parse_output(ids, "")
+            for field, text in (("reasoning", parsed.reasoning), ("content", parsed.content)):
+                # Multi-byte characters decode only once complete: send what extends.
+                if len(text) > len(sent[field]) and text.startswith(sent[field]):
+                    yield f"data: {json.dumps(fmt(field, text[len(sent[field]):]), ensure_ascii=False)}\n\n"
+                    sent[field] = text
+            continue
+        yield f"data: {json.dumps(fmt(kind, value), ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+        return
