@@ -168,7 +168,8 @@ def plot(result: dict, path: Path) -> None:
     b.set_ylabel("ms per agent step (median)")
     b.set_title(f"(b) agent step: +16 prompt, 8 decode; target < {TARGET_PCT:g}% at 8k")
     b.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize=8)
-    fig.suptitle(f"engine benchmark: model {result['model']} on {result['device']}")
+    where = result["gpu"] if result["device"] == "cuda" else f"{result['threads']} torch threads"
+    fig.suptitle(f"engine benchmark: model {result['model']} on {result['device']} ({where})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -182,8 +183,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="repetitions of the speed test")
     ap.add_argument("--profile", action="store_true", help="cProfile a step at 8k even if the target is met")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args()
     contexts = sorted(int(c) for c in args.contexts.split(","))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     eng = build_engine(args, max(contexts))
     toks = token_source(args.seed)
