@@ -250,7 +250,12 @@ class SessionRadixCache(RadixCache):
         for owner, node in self.chains.items():
             walk = node
             while walk is not self.root_node:
-                assert walk.parent is not None, f"chain of {owner} left the tree"
+                parent = walk.parent
+                # An evicted node keeps its parent pointer; it is in the tree only
+                # if its parent still lists it.
+                assert parent is not None and parent.children.get(walk.key.child_key(ps)) is walk, (
+                    f"chain of {owner} left the tree at node {walk.id}"
+                )
                 expected[walk.id] = expected.get(walk.id, 0) + 1
                 walk = walk.parent
         nodes = list(self.iter_nodes())

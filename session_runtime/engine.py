@@ -124,7 +124,9 @@ class Engine:
         ps = self.config.page_size
         need = -(-num_tokens // ps) * ps
         allocator = self.pools.allocator
-        if allocator.available_size() < need:
+        # Evict only when that is enough: a request that cannot fit anyway must
+        # not throw away other conversations' cached branches on its way out.
+        if allocator.available_size() < need <= allocator.available_size() + self.tree.evictable_size():
             self.tree.evict_tokens(need - allocator.available_size())
         slots = allocator.alloc(need)
         if slots is None:
@@ -143,9 +145,10 @@ class Engine:
         n = len(req.prompt)
         if n == 0:
             raise InvalidRequest("the prompt is empty")
-        if n >= self.config.max_context:
+        if n + len(req.forced or ()) >= self.config.max_context:
             raise ContextTooLong(
-                f"prompt of {n} tokens does not fit the context limit of {self.config.max_context}"
+                f"prompt of {n} tokens (plus {len(req.forced or ())} forced) does not fit the context "
+                f"limit of {self.config.max_context}"
             )
         vocab = self.decoder.cfg.vocab_size
         if max(req.prompt) >= vocab or min(req.prompt) < 0 or (

@@ -8,11 +8,12 @@ embedded engine. The HTTP layer and the examples call only this class.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from radix_ext.tree import Namespace, NodeInfo
 from session_runtime.config import RuntimeConfig
@@ -27,6 +28,7 @@ from session_runtime.step import Step
 from session_runtime.store import Store
 from session_runtime.templates import Message, Template, ToolCall, build_template
 from session_runtime.tokenizer import load_tokenizer
+from session_runtime import importer
 from session_runtime import turns as turn_rules
 
 
@@ -92,25 +94,45 @@ class Runtime:
         materialize: str = "auto",
         template: Optional[str] = None,
         continue_probability: float = 0.8,
+        conversation_id: Optional[str] = None,
     ) -> str:
-        """Create an empty conversation; returns its id. Raises InvalidRequest."""
+        """Create an empty conversation; returns its id. Raises InvalidRequest, or
+        ConversationBusy when `conversation_id` is taken."""
         if system is not None and not isinstance(system, str):
             raise InvalidRequest("system must be a string")
         if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
             raise InvalidRequest("tools must be a list of objects")
         template = template or self.config.template
         self.template(template)
+        if conversation_id is not None and (not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 128):
+            raise InvalidRequest("conversation_id must be a string of 1 to 128 characters")
         conv = Conversation(
-            id=uuid.uuid4().hex[:16], system=system or None, tools=list(tools or ()),
+            id=conversation_id or uuid.uuid4().hex[:16], system=system or None, tools=list(tools or ()),
             tenant=tenant or None, template=template,
             policy=ReasoningPolicy(policy or self.config.policy, keep_last_k),
             materialize=MaterializeSettings(materialize, continue_probability=continue_probability),
         )
         with self._lock:
+            if conv.id in self.conversations:
+                raise ConversationBusy(f"conversation {conv.id!r} already exists")
             self.conversations[conv.id] = conv
             self._conv_locks[conv.id] = threading.Lock()
         self._persist(conv)
         return conv.id
+
+    def adopt_history(self, conversation_id: str, raw_messages: Sequence[dict]) -> bool:
+        """Make the conversation's history the client's (OpenAI messages without
+        the system one). Keeps it as is when it already says the same; returns
+        whether it had to be replaced. Raises InvalidRequest."""
+        with self._locked(conversation_id) as conv:
+            tpl = self.template(conv.template)
+            messages = importer.client_messages(tpl, raw_messages)
+            if importer.same_history(conv, messages):
+                return False
+            self.materializer.cancel(conv.id)
+            importer.adopt(conv, tpl, messages)
+            self._persist(conv)
+            return True
 
     def get(self, conversation_id: str) -> Conversation:
         """Raises ConversationNotFound."""
@@ -120,13 +142,28 @@ class Runtime:
             raise ConversationNotFound(conversation_id)
         return conv
 
+    @contextlib.contextmanager
+    def _locked(self, conversation_id: str) -> Iterator[Conversation]:
+        """Hold the conversation's lock; raises ConversationNotFound if it is gone
+        by the time the lock is ours (a delete that ran first wins)."""
+        conv = self.get(conversation_id)
+        with self._lock:
+            lock = self._conv_locks.get(conv.id)
+        if lock is None:
+            raise ConversationNotFound(conversation_id)
+        with lock:
+            with self._lock:
+                if self.conversations.get(conv.id) is not conv:
+                    raise ConversationNotFound(conversation_id)
+            yield conv
+
     def delete_conversation(self, conversation_id: str) -> None:
         """Forget the conversation and unlock its chain (its KV becomes evictable)."""
-        conv = self.get(conversation_id)
-        with self._conv_locks[conv.id]:
+        with self._locked(conversation_id) as conv:
             self.materializer.cancel(conv.id)
             with self._lock:
                 self.conversations.pop(conv.id, None)
+                self._conv_locks.pop(conv.id, None)
             self.engine.release(conv.id)
             if self.store is not None:
                 self.store.delete(conv.id)
@@ -154,8 +191,7 @@ class Runtime:
         """
         if not isinstance(content, str) or not content.strip():
             raise InvalidRequest("message content must be a non-empty string")
-        conv = self.get(conversation_id)
-        with self._conv_locks[conv.id]:
+        with self._locked(conversation_id) as conv:
             if conv.protocol is not None:
                 pending = [c.id for c in conv.protocol.pending_calls]
                 raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}")
@@ -180,8 +216,7 @@ class Runtime:
         Raises ToolCallConflict (no call pending, unknown or repeated id),
         InvalidRequest (a pending call left unanswered), and the send_message errors.
         """
-        conv = self.get(conversation_id)
-        with self._conv_locks[conv.id]:
+        with self._locked(conversation_id) as conv:
             if conv.protocol is None:
                 raise ToolCallConflict("no tool call is pending in this conversation")
             by_id = {}

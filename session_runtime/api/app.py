@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from session_runtime.api.openai_compat import build_router
 from session_runtime.api.streaming import sse_step
 from session_runtime.api.schemas import CreateConversation, SendMessage, SendToolResults
 from session_runtime.errors import RuntimeErrorBase
@@ -85,6 +86,8 @@ def create_app(runtime: Runtime) -> FastAPI:
     @app.post("/v1/conversations/{cid}/tool_results")
     def tool_results(cid: str, body: SendToolResults):
         return respond(runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body)
+
+    app.include_router(build_router(runtime, metrics.record_step))
 
     @app.get("/debug/tree")
     def tree(conversation: str | None = None) -> dict:

@@ -1,0 +1,157 @@
+"""POST /v1/chat/completions, OpenAI-compatible.
+
+`reasoning_content` in messages and responses; `conversation_id` (an extra
+body field) maps a stateless client to a conversation's chain: the client's
+history is checked against the conversation's, the trailing user message or
+tool results run as one step, and a history that differs replaces the
+conversation's. Without `conversation_id` the request runs in a throw-away
+conversation whose KV stays in the tree (evictable) for prefix reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Optional
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from session_runtime.api.streaming import sse_step
+from session_runtime.errors import ConversationNotFound, InvalidRequest
+from session_runtime.runtime import Runtime
+from session_runtime.step import Step
+
+_FINISH = {"forced": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we ignore
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    model: Optional[str] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    seed: Optional[int] = None
+    stream: bool = False
+    logprobs: bool = False
+    conversation_id: Optional[str] = None
+    policy: Optional[str] = None
+
+
+def _tool_calls(step: Step) -> list[dict]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            for c in step.tool_calls]
+
+
+def _usage(step: Step) -> dict:
+    acc = step.accounting
+    return {"prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.output_tokens,
+            "total_tokens": acc.prompt_tokens + acc.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": acc.cached_input_tokens}}
+
+
+def completion(step: Step, model: str, rid: str) -> dict:
+    message = {"role": "assistant", "content": step.content, "reasoning_content": step.reasoning}
+    if step.tool_calls:
+        message["tool_calls"] = _tool_calls(step)
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": _FINISH.get(step.finish_reason, "stop"),
+                     "logprobs": None}],
+        "usage": _usage(step), "conversation_id": step.conversation_id,
+        "accounting": step.accounting.as_dict(),
+    }
+
+
+def build_router(runtime: Runtime, record_step) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    def chat(body: ChatRequest):
+        system, rest = None, list(body.messages)
+        if rest and rest[0].get("role") in ("system", "developer"):
+            system = rest.pop(0).get("content") or None
+        tail = _tail(rest)
+        cid, ephemeral = _conversation(runtime, body, system)
+        if tail[0].get("role") == "user":
+            content = tail[0].get("content")
+            call = lambda **kw: runtime.send_message(cid, content, **kw)  # noqa: E731
+        else:
+            results = [{"tool_call_id": str(m.get("tool_call_id", "")), "content": m.get("content") or ""} for m in tail]
+            call = lambda **kw: runtime.send_tool_results(cid, results, **kw)  # noqa: E731
+        try:
+            runtime.adopt_history(cid, rest[: len(rest) - len(tail)])
+        except Exception:
+            if ephemeral:
+                runtime.delete_conversation(cid)
+            raise
+        options = {"max_tokens": body.max_completion_tokens or body.max_tokens or 256,
+                   "temperature": body.temperature, "seed": body.seed, "logprobs": body.logprobs}
+        model = body.model or runtime.model_id
+        rid = "chatcmpl-" + uuid.uuid4().hex[:24]
+
+        def run(on_token=None) -> Step:
+            t0 = time.perf_counter()
+            try:
+                step = call(on_token=on_token, **options)
+            finally:
+                if ephemeral:
+                    runtime.delete_conversation(cid)
+            record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
+            return step
+
+        if not body.stream:
+            return completion(run(), model, rid)
+        fmt = lambda kind, value: _chunk(kind, value, model, rid)  # noqa: E731
+        tpl = runtime.template(runtime.get(cid).template)
+        return StreamingResponse(sse_step(run, tpl, fmt), media_type="text/event-stream")
+
+    return router
+
+
+def _tail(messages: list[dict]) -> list[dict]:
+    """The new input: the last user message, or the trailing tool results."""
+    if not messages:
+        raise InvalidRequest("messages must hold a user message")
+    if messages[-1].get("role") == "user":
+        return messages[-1:]
+    if messages[-1].get("role") == "tool":
+        i = len(messages)
+        while i > 0 and messages[i - 1].get("role") == "tool":
+            i -= 1
+        return messages[i:]
+    raise InvalidRequest("the last message must be a user message or tool results")
+
+
+def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str]) -> tuple[str, bool]:
+    """(conversation id, throw-away?) for the request."""
+    if body.conversation_id:
+        try:
+            conv = runtime.get(body.conversation_id)
+            if conv.system == system and conv.tools == list(body.tools or []):
+                return conv.id, False
+            runtime.delete_conversation(conv.id)  # another system prompt: another conversation
+        except ConversationNotFound:
+            pass
+        return runtime.create_conversation(system, tools=body.tools, policy=body.policy,
+                                           conversation_id=body.conversation_id), False
+    return runtime.create_conversation(system, tools=body.tools, policy=body.policy), True
+
+
+def _chunk(kind: str, value: object, model: str, rid: str) -> dict:
+    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    if kind == "reasoning":
+        return {**base, "choices": [{"index": 0, "delta": {"reasoning_content": value}, "finish_reason": None}]}
+    if kind == "content":
+        return {**base, "choices": [{"index": 0, "delta": {"content": value}, "finish_reason": None}]}
+    if kind == "error":
+        return {"error": value}
+    step: Step = value
+    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(_tool_calls(step))]} if step.tool_calls else {}
+    return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": _FINISH.get(step.finish_reason, "stop")}],
+            "usage": _usage(step), "conversation_id": step.conversation_id}

@@ -1,0 +1,94 @@
+"""Adopt a message history given by a client (OpenAI-style, stateless): turn it
+into a conversation's trace and canonical history, as if it had been run.
+
+Imported assistant messages get ids from the template (`forced_ids`), so a
+client that sends back what the server returned renders to the same tokens
+and reuses the same KV.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
+from session_runtime.errors import InvalidRequest
+from session_runtime.templates.base import Message, Template, ToolCall
+
+
+def client_messages(tpl: Template, raw: Sequence[dict]) -> list[Message]:
+    """OpenAI messages (no system) to Messages with turn numbers. Raises InvalidRequest."""
+    out: list[Message] = []
+    turn = -1
+    for i, m in enumerate(raw):
+        role = m.get("role")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string")
+        if role == "user":
+            turn += 1
+            out.append(Message("user", turn, content))
+        elif role == "assistant":
+            if turn < 0:
+                raise InvalidRequest(f"messages[{i}]: an assistant message before any user message")
+            calls = tuple(_tool_call(c, i) for c in m.get("tool_calls") or ())
+            reasoning = m.get("reasoning_content") or ""
+            ids = tuple(tpl.forced_ids(reasoning, content, calls))
+            out.append(Message("assistant", turn, content, reasoning, calls, output_ids=ids))
+        elif role == "tool":
+            if not out or out[-1].role not in ("assistant", "tool"):
+                raise InvalidRequest(f"messages[{i}]: a tool result must follow an assistant tool call")
+            out.append(Message("tool", turn, content, tool_call_id=str(m.get("tool_call_id", ""))))
+        else:
+            raise InvalidRequest(f"messages[{i}].role must be user, assistant or tool (system first)")
+    return out
+
+
+def _tool_call(c: dict, i: int) -> ToolCall:
+    import json
+
+    fn = c.get("function") or {}
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise InvalidRequest(f"messages[{i}]: tool call arguments are not JSON")
+    if not isinstance(args, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequest(f"messages[{i}]: tool calls need function.name and object arguments")
+    return ToolCall(id=str(c.get("id", "")), name=fn["name"], arguments=args)
+
+
+def same_history(conv: Conversation, messages: Sequence[Message]) -> bool:
+    """Does the conversation's trace say what the client's history says? Reasoning
+    is not compared: clients may drop it between turns."""
+    trace = [e.message for e in conv.trace]
+    if len(trace) != len(messages):
+        return False
+    for a, b in zip(trace, messages):
+        if (a.role, a.content.strip(), a.tool_call_id) != (b.role, b.content.strip(), b.tool_call_id):
+            return False
+        if [(c.id, c.name) for c in a.tool_calls] != [(c.id, c.name) for c in b.tool_calls]:
+            return False
+    return True
+
+
+def adopt(conv: Conversation, tpl: Template, messages: Sequence[Message]) -> None:
+    """Replace the conversation's layers with an imported history. A trailing
+    assistant message with tool calls leaves its turn open."""
+    turns = sorted({m.turn for m in messages})
+    last = messages[-1] if messages else None
+    open_turn = last.turn if last is not None and last.role == "assistant" and last.tool_calls else None
+    conv.trace = [TraceEntry(m) for m in messages]
+    conv.turns = [TurnRecord(index=t, closed=t != open_turn) for t in turns]
+    closed = sum(1 for t in conv.turns if t.closed)
+    keep = conv.policy.kept_turns(closed)
+    conv.history = [tpl.strip_reasoning(m) if m.role == "assistant" and not keep(m.turn) and m.reasoning else m
+                    for m in messages]
+    conv.protocol = None
+    if open_turn is not None:
+        generated = tuple(i for m in messages if m.turn == open_turn and m.role == "assistant" for i in m.output_ids)
+        conv.protocol = ProtocolState(open_turn, last.tool_calls, generated)
+    conv.chain_tokens = []
+    conv.canonical_kind = "none"
