@@ -67,6 +67,19 @@ class NodeInfo:
     namespace: Optional[str]
 
 
+@dataclass(frozen=True)
+class TailPlan:
+    """A chain's exclusive tail, chosen for demotion: `nodes` (top-down) are held
+    by this chain alone and hang from `anchor`."""
+
+    owner: str
+    tail: TreeNode
+    anchor: TreeNode
+    nodes: tuple[TreeNode, ...]
+    slots: torch.Tensor
+    tokens: array
+
+
 class SessionRadixCache(RadixCache):
     """A RadixCache whose conversations each hold a locked chain."""
 
@@ -116,6 +129,57 @@ class SessionRadixCache(RadixCache):
     def chain_slots(self, owner: str) -> torch.Tensor:
         node = self.chains.get(owner)
         return self._empty_device_indices if node is None else self.path_device_indices(node)
+
+    # ----- host tier -------------------------------------------------------------
+
+    def plan_demote(self, owner: str) -> Optional[TailPlan]:
+        """The owner's exclusive tail: nodes locked by its chain only, with no
+        other branch below them. None when there is nothing to demote. Read-only."""
+        node = self.chains.get(owner)
+        if node is None or node is self.root_node or node.children:
+            return None
+        nodes = []
+        walk = node
+        while walk is not self.root_node and walk.lock_ref == 1 and len(walk.children) == (1 if nodes else 0):
+            nodes.append(walk)
+            walk = walk.parent
+        if not nodes:
+            return None
+        nodes.reverse()
+        tokens = array("q")
+        for n in nodes:
+            tokens.extend(n.key.token_ids)
+        return TailPlan(owner, node, walk, tuple(nodes), torch.cat([n.value for n in nodes]), tokens)
+
+    def plan_still_valid(self, plan: TailPlan) -> bool:
+        """Has nothing touched the planned tail since `plan_demote`?"""
+        if self.chains.get(plan.owner) is not plan.tail or plan.nodes[0].parent is not plan.anchor:
+            return False
+        last = len(plan.nodes) - 1
+        for i, n in enumerate(plan.nodes):
+            attached = n.parent is not None and n.parent.children.get(n.key.child_key(self.page_size)) is n
+            if not attached or n.lock_ref != 1 or len(n.children) != (0 if i == last else 1):
+                return False
+        return True
+
+    def drop_tail(self, plan: TailPlan) -> None:
+        """Move the chain to the anchor and delete the tail, freeing its device
+        pages (their KV now lives on the host). Requires plan_still_valid(plan)."""
+        self.set_chain(plan.owner, plan.anchor)
+        for node in reversed(plan.nodes):
+            self.token_to_kv_pool_allocator.free(node.value)
+            self._delete_leaf(node)
+            self.kv_events.record_remove(node)
+
+    def restore_tail(self, owner: str, key: RadixKey, slots: torch.Tensor) -> int:
+        """Insert `key` (the chain's anchor path plus a reloaded tail in `slots`)
+        and move the chain to its end. Returns the insert's prefix_len: reloaded
+        slots below it duplicate KV already in the tree, the caller frees them."""
+        anchor = self.chains[owner]
+        value = torch.cat((self.path_device_indices(anchor), slots))
+        node, prefix_len = self.insert_sequence(key, value)
+        self.set_chain(owner, node)
+        return prefix_len
 
     # ----- matching ---------------------------------------------------------
 

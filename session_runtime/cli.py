@@ -1,4 +1,5 @@
-"""`session-runtime serve`: the HTTP server over the embedded engine."""
+"""`session-runtime serve`: the HTTP server over the embedded engine;
+`session-runtime replay`: a recorded trace through the embedded runtime."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=_DEFAULTS.dtype, help="float32, bfloat16 or float16")
     serve.add_argument("--page-size", type=int, default=_DEFAULTS.page_size)
     serve.add_argument("--pool-tokens", type=int, default=_DEFAULTS.pool_tokens, help="device KV pool size")
+    serve.add_argument("--host-pool-tokens", type=int, default=_DEFAULTS.host_pool_tokens,
+                       help="host-tier KV capacity for tool-wait offload")
+    serve.add_argument("--offload", default=_DEFAULTS.offload, choices=["never", "always", "ttl", "pressure"],
+                       help="default tool-wait offload policy of new conversations")
     serve.add_argument("--max-context", type=int, default=_DEFAULTS.max_context)
     serve.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of random preset weights")
     serve.add_argument("--policy", default=_DEFAULTS.policy,
@@ -32,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default="data", help="SQLite store of conversations ('' keeps them in memory)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    from session_runtime.replay import add_arguments as replay_arguments
+
+    replay_arguments(sub.add_parser("replay", help="replay a JSONL agent trace with forced output, "
+                                                   "print keep-vs-drop accounting"))
     return parser
 
 
@@ -40,6 +49,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
         policy=args.policy, template=args.template, data_dir=args.data_dir or None,
+        host_pool_tokens=args.host_pool_tokens, offload=args.offload,
     )
 
 
@@ -78,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "replay":
+        from session_runtime.replay import run_command
+
+        return run_command(args)
     return 2
 
 

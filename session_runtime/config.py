@@ -79,12 +79,14 @@ class RuntimeConfig:
     dtype: str = "float32"
     page_size: int = 16
     pool_tokens: int = 65536
+    host_pool_tokens: int = 262144  # host-tier capacity for offloaded KV
     max_context: int = 32768
     max_running: int = 4  # rows of the ReqToTokenPool: steps in flight at once
     prefill_chunk: int = 2048  # tokens per prefill forward (bounds attention memory)
     seed: int = 0
     policy: str = "drop"  # default reasoning policy of new conversations
     template: str = "deepseek"  # default chat template of new conversations
+    offload: str = "pressure"  # default tool-wait offload policy: never, always, ttl, pressure
     data_dir: Optional[str] = None  # SQLite store of conversations; None keeps them in memory
     model_id: str = ""  # namespace override; defaults to the model name
 

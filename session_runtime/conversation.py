@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from session_runtime.accounting import StepAccounting
+from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.templates.base import Message, ToolCall
 
@@ -84,6 +85,7 @@ class Conversation:
     template: str
     policy: ReasoningPolicy
     materialize: MaterializeSettings
+    offload: "OffloadSettings" = None  # set by the Runtime
     history: list[Message] = field(default_factory=list)
     trace: list[TraceEntry] = field(default_factory=list)
     turns: list[TurnRecord] = field(default_factory=list)

@@ -16,8 +16,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from radix_ext.host_tier import HostEntry, HostTier, timed_ms
 from radix_ext.pools import KVPools, PoolSpec, build_pools
-from radix_ext.tree import Namespace, ProbeResult, SessionRadixCache
+from radix_ext.tree import Namespace, NodeInfo, ProbeResult, SessionRadixCache
 from session_runtime.accounting import StepAccounting, attention_work
 from session_runtime.config import RuntimeConfig
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
@@ -96,7 +97,11 @@ class Engine:
             )
         )
         self.tree = SessionRadixCache(self.pools)
+        self.host = HostTier(config.host_pool_tokens, self.pools.spec.bytes_per_token)
         self.lock = threading.RLock()
+        # Called with the missing token count when even eviction cannot make
+        # room: the offload manager demotes waiting conversations there.
+        self.on_pressure: Optional[Callable[[int], None]] = None
         self.device = torch.device(config.device)
         self.bytes_per_token = self.pools.spec.bytes_per_token
 
@@ -126,6 +131,8 @@ class Engine:
         allocator = self.pools.allocator
         # Evict only when that is enough: a request that cannot fit anyway must
         # not throw away other conversations' cached branches on its way out.
+        if allocator.available_size() + self.tree.evictable_size() < need and self.on_pressure is not None:
+            self.on_pressure(need - allocator.available_size() - self.tree.evictable_size())
         if allocator.available_size() < need <= allocator.available_size() + self.tree.evictable_size():
             self.tree.evict_tokens(need - allocator.available_size())
         slots = allocator.alloc(need)
@@ -163,6 +170,7 @@ class Engine:
         prompt = list(req.prompt)
         n = len(prompt)
         key = req.namespace.key(prompt)
+        reloaded = self._promote(req.owner, req.namespace, prompt)
         probe = self.tree.probe(key[: n - 1])
         # The last prompt token is always computed: its logits start the output.
         node, prefix_slots = self.tree.match_and_lock(key[: n - 1])
@@ -171,7 +179,7 @@ class Engine:
         row = None
         try:
             row = self._alloc_row()
-            result = self._run(req, prompt, m, buf, row, probe.logical_len, t0)
+            result = self._run(req, prompt, m, buf, row, probe.logical_len, t0, reloaded)
         except BaseException:
             self.pools.allocator.free(buf.owned_tensor())
             self.tree.dec_lock_ref(node)
@@ -213,7 +221,7 @@ class Engine:
             all_logits=all_logits,
         )
 
-    def _run(self, req, prompt, m, buf, row, logical, t0) -> StepResult:
+    def _run(self, req, prompt, m, buf, row, logical, t0, reloaded: tuple[int, int]) -> StepResult:
         n = len(prompt)
         sp = req.sampling
         r2t = self.pools.req_to_token
@@ -284,11 +292,13 @@ class Engine:
             computed = prompt + output[:-1] if output else prompt
 
         chain_len = self._commit(req, computed, buf)
+        anchor, count = reloaded
+        host_loaded = min(count, max(0, m - anchor))  # reloaded tokens this prefill reused
         ps = self.config.page_size
         accounting = StepAccounting(
             prompt_tokens=n,
-            cached_input_tokens=m,
-            host_loaded_tokens=0,
+            cached_input_tokens=m - host_loaded,
+            host_loaded_tokens=host_loaded,
             uncached_prefill_tokens=n - m,
             logical_reusable_tokens=logical,
             alignment_loss_tokens=logical - m,
@@ -296,7 +306,7 @@ class Engine:
             active_context_length=len(computed),
             output_tokens=len(output),
             kv_device_bytes=chain_len * self.bytes_per_token,
-            kv_host_bytes=0,
+            kv_host_bytes=self.host.bytes_of(req.owner),
             prefill_ms=prefill_s * 1e3,
             ttft_ms=(first_token_t - t0) * 1e3,
             tpot_ms=((decode_end_t - first_token_t) / (len(output) - 1) * 1e3) if len(output) > 1 else 0.0,
@@ -340,6 +350,67 @@ class Engine:
         self.tree.dec_lock_ref(buf.node)
         return aligned
 
+    # ----- host tier --------------------------------------------------------------
+
+    def _promote(self, owner: str, namespace: Namespace, prompt: list[int]) -> tuple[int, int]:
+        """Reload the owner's offloaded tail if the prompt continues it. Returns
+        (anchor depth, reloaded tokens). An entry the prompt does not continue
+        is dropped (its tokens get recomputed). Raises PoolExhausted, keeping
+        the entry."""
+        entry = self.host.take(owner)
+        if entry is None:
+            return 0, 0
+        start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
+        if self.tree.chain_tokens(owner) != start or prompt[start:end] != list(entry.tokens):
+            self.host.stats.lost_tokens += len(entry.tokens)
+            return 0, 0
+        t = time.perf_counter()
+        try:
+            slots = self.alloc(len(entry.tokens))
+        except PoolExhausted:
+            self.host.entries[owner] = entry  # a failed request changes nothing
+            raise
+        self.pools.allocator.load_cpu_copy(entry.kv, slots)
+        self._sync()
+        prefix_len = self.tree.restore_tail(owner, namespace.key(prompt[:end]), slots)
+        if prefix_len > start:  # someone cached the same tokens meanwhile
+            self.pools.allocator.free(slots[: prefix_len - start])
+        self.host.record_promote(entry, timed_ms(t))
+        return start, len(entry.tokens)
+
+    def demote(self, owner: str) -> int:
+        """Copy the owner's exclusive chain tail to the host and free its device
+        pages. The copy runs outside the engine lock (the chain's lock keeps the
+        pages alive and cached KV is never rewritten); a step of the same owner
+        in between makes it a no-op. Returns the tokens demoted."""
+        with self.lock:
+            plan = self.tree.plan_demote(owner)
+            if plan is None or not self.host.fits(len(plan.tokens)):
+                return 0
+        t = time.perf_counter()
+        kv = self.pools.allocator.get_cpu_copy(plan.slots)
+        with self.lock:
+            return self._finish_demote(plan, kv, t)
+
+    def demote_locked(self, owner: str) -> int:
+        """`demote` with the copy under the lock (called from inside a step)."""
+        with self.lock:
+            plan = self.tree.plan_demote(owner)
+            if plan is None or not self.host.fits(len(plan.tokens)):
+                return 0
+            t = time.perf_counter()
+            return self._finish_demote(plan, self.pools.allocator.get_cpu_copy(plan.slots), t)
+
+    def _finish_demote(self, plan, kv, t: float) -> int:
+        if not self.tree.plan_still_valid(plan):
+            return 0
+        anchor_depth = self.tree.chain_tokens(plan.owner) - len(plan.tokens)
+        entry = HostEntry(plan.owner, anchor_depth, plan.anchor.id, plan.tokens, kv,
+                          len(plan.tokens) * self.bytes_per_token)
+        self.host.put(entry, timed_ms(t))
+        self.tree.drop_tail(plan)
+        return len(plan.tokens)
+
     def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
         """Move `owner`'s chain to the longest cached page-aligned prefix of
         `tokens` (the fork point after a turn drops its reasoning). Whatever
@@ -363,8 +434,25 @@ class Engine:
         with self.lock:
             self.tree.release_chain(owner)
 
+    def host_nodes(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
+        """Offloaded tails as snapshot nodes (residency "host"), hanging from their anchors."""
+        with self.host.lock:
+            entries = list(self.host.entries.values())
+        return [
+            NodeInfo(id=-(i + 1), parent=e.anchor_node_id if e.anchor_tokens else None, tokens=len(e.tokens),
+                     depth_tokens=e.anchor_tokens + len(e.tokens), preview=preview(list(e.tokens[:16])),
+                     hit_count=0, lock_count=0, last_access_age_s=0.0, residency="host",
+                     owners=(e.owner,), namespace=None)
+            for i, e in enumerate(entries) if owner is None or e.owner == owner
+        ]
+
     def check_integrity(self) -> None:
         with self.lock:
             self.tree.check_integrity()
+            assert self.host.used_tokens <= self.host.capacity_tokens, "host tier over capacity"
+            for owner, entry in list(self.host.entries.items()):
+                assert self.tree.chain_tokens(owner) == entry.anchor_tokens, (
+                    f"host entry of {owner} does not hang from its chain"
+                )
             r2t = self.pools.req_to_token
             assert r2t.available_size() == r2t.size, "a request row leaked"

@@ -21,6 +21,7 @@ from session_runtime.conversation import Conversation, ProtocolState, TraceEntry
 from session_runtime.engine import Engine, StepRequest, StepResult
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest, ToolCallConflict
 from session_runtime.materializer import Materializer
+from session_runtime.offload import OffloadManager, OffloadSettings
 from session_runtime.model.weights import build_decoder
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.sampling import SamplingParams
@@ -48,6 +49,7 @@ class Runtime:
         self.engine = Engine(self.config, decoder)
         self.engine.warmup()
         self.materializer = Materializer(self.engine, background=background)
+        self.offload = OffloadManager(self.engine, background=background)
         self.model_id = self.config.model_id or self.config.model
         self.conversations: dict[str, Conversation] = {}
         self._templates: dict[str, Template] = {}
@@ -94,6 +96,8 @@ class Runtime:
         materialize: str = "auto",
         template: Optional[str] = None,
         continue_probability: float = 0.8,
+        offload: Optional[str] = None,
+        ttl_s: float = 2.0,
         conversation_id: Optional[str] = None,
     ) -> str:
         """Create an empty conversation; returns its id. Raises InvalidRequest, or
@@ -111,6 +115,7 @@ class Runtime:
             tenant=tenant or None, template=template,
             policy=ReasoningPolicy(policy or self.config.policy, keep_last_k),
             materialize=MaterializeSettings(materialize, continue_probability=continue_probability),
+            offload=OffloadSettings(offload or self.config.offload, ttl_s=ttl_s),
         )
         with self._lock:
             if conv.id in self.conversations:
@@ -161,6 +166,7 @@ class Runtime:
         """Forget the conversation and unlock its chain (its KV becomes evictable)."""
         with self._locked(conversation_id) as conv:
             self.materializer.cancel(conv.id)
+            self.offload.forget(conv.id)
             with self._lock:
                 self.conversations.pop(conv.id, None)
                 self._conv_locks.pop(conv.id, None)
@@ -265,6 +271,7 @@ class Runtime:
         ns = self.namespace(conv)
         first = new[0].role == "user"
         self.materializer.user_enter()
+        self.offload.wait_ended(conv.id)  # the tool wait is over: no demotion now
         try:
             # A pending materialization is cancelled, a running one joined.
             job = self.materializer.claim(conv.id)
@@ -321,6 +328,7 @@ class Runtime:
         generated = (conv.protocol.generated_ids if conv.protocol else ()) + tuple(result.output)
         if parsed.tool_calls:
             conv.protocol = ProtocolState(turn, parsed.tool_calls, generated)
+            self.offload.wait_started(conv.id, conv.offload)
             conv.canonical_kind = "generated"
             finish = "tool_calls"
         else:
@@ -394,7 +402,9 @@ class Runtime:
                     "sequence_tokens": len(conv.chain_tokens), "cached_tokens": chain_len,
                     "kind": conv.canonical_kind,
                     "kv_device_bytes": chain_len * self.engine.bytes_per_token,
+                    "kv_host_bytes": self.engine.host.bytes_of(conv.id),
                 },
+                "offload": conv.offload.mode,
             }
             if tokens:
                 out["chain"]["token_ids"] = list(conv.chain_tokens)
@@ -404,7 +414,8 @@ class Runtime:
         if conversation is not None:
             self.get(conversation)
         with self.engine.lock:
-            return self.engine.tree.snapshot(preview=self.tokenizer.decode, owner=conversation)
+            return (self.engine.tree.snapshot(preview=self.tokenizer.decode, owner=conversation)
+                    + self.engine.host_nodes(self.tokenizer.decode, owner=conversation))
 
     def chains(self) -> dict[str, int]:
         """Tokens each conversation's chain holds in the tree."""
@@ -424,6 +435,9 @@ class Runtime:
                 "materialized_total": self.materializer.stats["done"],
                 "materialize_cancelled_total": self.materializer.stats["cancelled"],
                 "materialize_joined_total": self.materializer.stats["joined"],
+                "host_capacity_tokens": self.engine.host.capacity_tokens,
+                "host_used_tokens": self.engine.host.used_tokens,
+                **{f"offload_{k}": v for k, v in dataclasses.asdict(self.engine.host.stats).items()},
             }
 
     def check_integrity(self) -> None:
@@ -435,5 +449,6 @@ class Runtime:
 
     def close(self) -> None:
         self.materializer.close()
+        self.offload.close()
         if self.store is not None:
             self.store.close()

@@ -16,6 +16,7 @@ from typing import Iterator
 
 from session_runtime.accounting import StepAccounting
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
+from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.templates.base import Message, ToolCall
 
@@ -44,6 +45,7 @@ def conversation_to_json(conv: Conversation) -> str:
         "id": conv.id, "system": conv.system, "tools": conv.tools, "tenant": conv.tenant,
         "template": conv.template, "policy": dataclasses.asdict(conv.policy),
         "materialize": dataclasses.asdict(conv.materialize),
+        "offload": dataclasses.asdict(conv.offload),
         "history": [_message_to_dict(m) for m in conv.history],
         "trace": [{"message": _message_to_dict(e.message), "step": e.step,
                    "finish_reason": e.finish_reason, "created_at": e.created_at} for e in conv.trace],
@@ -65,6 +67,7 @@ def conversation_from_json(text: str) -> Conversation:
     return Conversation(
         id=d["id"], system=d["system"], tools=d["tools"], tenant=d["tenant"], template=d["template"],
         policy=ReasoningPolicy(**d["policy"]), materialize=MaterializeSettings(**d["materialize"]),
+        offload=OffloadSettings(**d.get("offload", {})),
         history=[_message_from_dict(m) for m in d["history"]],
         trace=[TraceEntry(_message_from_dict(e["message"]), e["step"], e["finish_reason"], e["created_at"])
                for e in d["trace"]],

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from session_runtime.api.openai_compat import build_router
 from session_runtime.api.streaming import sse_step
+from session_runtime.api.tree_page import tree_page_router
 from session_runtime.api.schemas import CreateConversation, SendMessage, SendToolResults
 from session_runtime.errors import RuntimeErrorBase
 from session_runtime.metrics import Metrics
@@ -97,6 +98,8 @@ def create_app(runtime: Runtime) -> FastAPI:
             "nodes": [dataclasses.asdict(n) for n in nodes],
             "chains": runtime.chains(),
         }
+
+    app.include_router(tree_page_router())
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus() -> str:

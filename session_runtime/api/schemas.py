@@ -30,6 +30,8 @@ class CreateConversation(BaseModel):
     materialize: Literal["auto", "always", "never"] = "auto"
     template: Optional[Literal["deepseek", "qwen3"]] = None
     continue_probability: float = Field(default=0.8, ge=0.0, le=1.0)
+    offload: Optional[Literal["never", "always", "ttl", "pressure"]] = None
+    ttl_s: float = Field(default=2.0, ge=0.0)
 
 
 class StepOptions(BaseModel):

@@ -1,0 +1,100 @@
+"""Host tier: KV of waiting conversations kept in host memory.
+
+A conversation's exclusive chain tail (nodes no other chain needs) is copied to
+the host with SGLang's `get_cpu_copy` and its device pages are freed; the copy
+comes back with `load_cpu_copy` before the conversation's next prefill.
+Both calls move the pool's own bytes, so a reload is bit-identical.
+
+HiCache's host pools (`memory_pool_host.py`) need CUDA transfer kernels; these
+two calls run on CPU and GPU alike. Pinned buffers and copy streams on a GPU
+are not done yet: on CUDA the copies are synchronous device<->pageable copies.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class HostEntry:
+    """One conversation's offloaded tail: tokens [anchor, anchor + len(tokens))."""
+
+    owner: str
+    anchor_tokens: int  # depth of the device node the tail hangs from
+    anchor_node_id: int
+    tokens: array
+    kv: object  # SGLang CPU copy: per layer, per chunk, [k, v]
+    nbytes: int
+
+
+@dataclass
+class TransferStats:
+    demoted_tokens: int = 0
+    demoted_bytes: int = 0
+    demote_ms: float = 0.0
+    promoted_tokens: int = 0
+    promoted_bytes: int = 0
+    promote_ms: float = 0.0
+    lost_tokens: int = 0  # dropped from the host for room: recomputed on resume
+
+
+@dataclass
+class HostTier:
+    """A bounded map owner -> HostEntry, least recently stored dropped first."""
+
+    capacity_tokens: int
+    bytes_per_token: int
+    entries: "OrderedDict[str, HostEntry]" = field(default_factory=OrderedDict)
+    stats: TransferStats = field(default_factory=TransferStats)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self.entries.values())
+
+    def fits(self, tokens: int) -> bool:
+        return tokens <= self.capacity_tokens
+
+    def put(self, entry: HostEntry, copy_ms: float) -> list[str]:
+        """Store `entry`, dropping the oldest entries for room. Returns the owners
+        whose KV was lost (they will recompute). Requires fits(len(entry.tokens))."""
+        assert self.fits(len(entry.tokens)), "entry larger than the host tier"
+        lost = []
+        with self.lock:
+            self.entries.pop(entry.owner, None)
+            while self.used_tokens + len(entry.tokens) > self.capacity_tokens:
+                owner, old = self.entries.popitem(last=False)
+                self.stats.lost_tokens += len(old.tokens)
+                lost.append(owner)
+            self.entries[entry.owner] = entry
+            self.stats.demoted_tokens += len(entry.tokens)
+            self.stats.demoted_bytes += entry.nbytes
+            self.stats.demote_ms += copy_ms
+        return lost
+
+    def take(self, owner: str) -> Optional[HostEntry]:
+        with self.lock:
+            return self.entries.pop(owner, None)
+
+    def peek(self, owner: str) -> Optional[HostEntry]:
+        with self.lock:
+            return self.entries.get(owner)
+
+    def record_promote(self, entry: HostEntry, copy_ms: float) -> None:
+        with self.lock:
+            self.stats.promoted_tokens += len(entry.tokens)
+            self.stats.promoted_bytes += entry.nbytes
+            self.stats.promote_ms += copy_ms
+
+    def bytes_of(self, owner: str) -> int:
+        entry = self.peek(owner)
+        return 0 if entry is None else entry.nbytes
+
+
+def timed_ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3

@@ -1,0 +1,123 @@
+"""Tool-wait offload policies: when a conversation waits for tool results, its
+KV may move to the host tier and come back before the next step's prefill.
+
+- never: the KV stays on the device;
+- always: demote as soon as the step ends in tool calls;
+- ttl: demote after `ttl_s` seconds of waiting (as in Continuum);
+- pressure: demote when free device pages fall below `min_free_fraction`, or an
+  allocation cannot be met, least-recently-waiting conversations first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from session_runtime.engine import Engine
+from session_runtime.errors import InvalidRequest
+
+OFFLOAD_MODES = ("never", "always", "ttl", "pressure")
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    mode: str = "pressure"
+    ttl_s: float = 2.0
+    min_free_fraction: float = 0.10
+
+    def __post_init__(self) -> None:
+        if self.mode not in OFFLOAD_MODES:
+            raise InvalidRequest(f"offload must be one of {', '.join(OFFLOAD_MODES)}; got {self.mode!r}")
+        if self.ttl_s < 0 or not 0.0 <= self.min_free_fraction <= 1.0:
+            raise InvalidRequest("ttl_s must be >= 0 and min_free_fraction within [0, 1]")
+
+
+class OffloadManager:
+    """Tracks conversations waiting for tools and demotes them by policy, on a
+    worker thread (or on `run_due()` when built with background=False)."""
+
+    def __init__(self, engine: Engine, background: bool = True, poll_s: float = 0.05):
+        self.engine = engine
+        self.waiting: dict[str, tuple[float, OffloadSettings]] = {}  # owner -> (since, settings)
+        self.cond = threading.Condition()
+        self.poll_s = poll_s
+        self._stop = False
+        engine.on_pressure = self._on_pressure
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="offload", daemon=True)
+            self._thread.start()
+
+    def wait_started(self, owner: str, settings: OffloadSettings) -> None:
+        if settings.mode == "never":
+            return
+        with self.cond:
+            self.waiting[owner] = (time.monotonic(), settings)
+            self.cond.notify_all()
+
+    def wait_ended(self, owner: str) -> None:
+        with self.cond:
+            self.waiting.pop(owner, None)
+
+    def forget(self, owner: str) -> None:
+        """The conversation is gone: drop its host copy too."""
+        self.wait_ended(owner)
+        self.engine.host.take(owner)
+
+    def due(self, now: Optional[float] = None) -> list[str]:
+        """Owners to demote now, least recently waiting first."""
+        now = time.monotonic() if now is None else now
+        pools = self.engine.pools
+        free = pools.allocator.available_size() / pools.capacity
+        with self.cond:
+            order = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
+        out = []
+        for owner, (since, s) in order:
+            if (s.mode == "always" or (s.mode == "ttl" and now - since >= s.ttl_s)
+                    or (s.mode == "pressure" and free < s.min_free_fraction)):
+                out.append(owner)
+        return out
+
+    def run_due(self, now: Optional[float] = None) -> int:
+        """Demote every conversation due now. Returns the tokens demoted."""
+        total = 0
+        for owner in self.due(now):
+            moved = self.engine.demote(owner)
+            total += moved
+            if moved or self.engine.tree.plan_demote(owner) is None:
+                self.wait_ended(owner)  # nothing (more) to move for this wait
+        return total
+
+    def _on_pressure(self, missing: int) -> None:
+        # Inside an allocation (engine lock held): demote waiting conversations,
+        # oldest wait first, until the missing tokens are free.
+        with self.cond:
+            order = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
+        freed = 0
+        for owner, _ in order:
+            if freed >= missing:
+                break
+            moved = self.engine.demote_locked(owner)
+            if moved:
+                freed += moved
+                self.wait_ended(owner)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                if self._stop:
+                    return
+                if not self.waiting:
+                    self.cond.wait(timeout=0.5)
+                    continue
+            self.run_due()
+            time.sleep(self.poll_s)
+
+    def close(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
