@@ -1,0 +1,213 @@
+"""Tool-wait offload: exactness of the host round trip, the policies, host-tier
+loss, and integrity under any interleaving (hypothesis state machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from session_runtime import PoolExhausted, Runtime, RuntimeConfig
+
+
+def words(n: int) -> str:
+    return " alpha" * n
+
+
+@pytest.fixture(scope="module")
+def rt():
+    runtime = Runtime(RuntimeConfig(model="tiny", page_size=16, pool_tokens=4096, host_pool_tokens=2048,
+                                    max_context=2048), background=False)
+    yield runtime
+    runtime.close()
+
+
+def tool_step(rt, tenant, offload="always", reasoning=60):
+    cid = rt.create_conversation(system=words(40), tenant=tenant, policy="drop", offload=offload)
+    step = rt.send_message(cid, words(5), forced={"reasoning": words(reasoning),
+                                                  "tool_calls": [{"name": "f", "arguments": {"x": 1}}]})
+    return cid, step
+
+
+def resume(rt, cid, step, **kw):
+    return rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
+                                forced={"reasoning": words(3), "content": words(4)}, **kw)
+
+
+def pool_kv(rt, slots):
+    kv = rt.engine.pools.kv
+    return [(kv.k_buffer[i][slots].clone(), kv.v_buffer[i][slots].clone()) for i in range(len(kv.k_buffer))]
+
+
+def test_round_trip_is_bit_identical(rt):
+    cid, step = tool_step(rt, "bits")
+    eng = rt.engine
+    slots = eng.tree.chain_slots(cid)
+    original = pool_kv(rt, slots)
+    free_before = eng.pools.allocator.available_size()
+    moved = rt.offload.run_due()
+    assert moved == len(slots) == 144  # the whole chain is this conversation's alone
+    assert eng.tree.chain_tokens(cid) == 0
+    assert eng.pools.allocator.available_size() == free_before + moved
+    entry = eng.host.peek(cid)
+    host = [(torch.cat([c[0] for c in layer]), torch.cat([c[1] for c in layer])) for layer in entry.kv]
+    for (k0, v0), (k1, v1) in zip(original, host):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    snap = {n.residency for n in rt.tree_snapshot(cid)}
+    assert snap == {"host"}
+    rt.check_integrity()
+    # Another tool call keeps the turn open, so the chain still starts with the reloaded KV.
+    nxt = rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
+                               forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
+    assert nxt.accounting.host_loaded_tokens == 144
+    assert nxt.accounting.cached_input_tokens == 0
+    reloaded = pool_kv(rt, eng.tree.chain_slots(cid)[:144])
+    for (k0, v0), (k1, v1) in zip(original, reloaded):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    rt.delete_conversation(cid)
+    rt.check_integrity()
+
+
+def test_logits_equal_a_conversation_that_never_left(rt):
+    a, sa = tool_step(rt, "stay", offload="never")
+    b, sb = tool_step(rt, "leave", offload="always")
+    assert rt.offload.run_due() == 144
+    ra = resume(rt, a, sa, logprobs=True)
+    rb = resume(rt, b, sb, logprobs=True)
+    assert rb.accounting.host_loaded_tokens == 144 and ra.accounting.host_loaded_tokens == 0
+    assert ra.accounting.cached_input_tokens == 144
+    assert ra.accounting.uncached_prefill_tokens == rb.accounting.uncached_prefill_tokens
+    torch.testing.assert_close(torch.tensor(rb.logprobs), torch.tensor(ra.logprobs), rtol=1e-5, atol=1e-5)
+    rt.check_integrity()
+
+
+def test_ttl_waits_then_demotes(rt):
+    cid, step = tool_step(rt, "ttl", offload="ttl")
+    since = rt.offload.waiting[cid][0]
+    assert rt.offload.due(now=since + 1.0) == []
+    assert rt.offload.due(now=since + 2.5) == [cid]
+    assert rt.offload.run_due(now=since + 2.5) == 144
+    assert resume(rt, cid, step).accounting.host_loaded_tokens == 144
+    rt.check_integrity()
+
+
+def test_pressure_demotes_waiting_conversations_instead_of_failing():
+    small = Runtime(RuntimeConfig(model="tiny", page_size=16, pool_tokens=512, host_pool_tokens=2048,
+                                  max_context=1024), background=False)
+    try:
+        waiting, step = tool_step(small, "w", offload="pressure", reasoning=300)
+        held = small.engine.tree.chain_tokens(waiting)
+        assert held == 384
+        # A new conversation needs more than is free, and the waiting chain is locked.
+        other = small.create_conversation(system=words(40), tenant="o", policy="drop", offload="never")
+        got = small.send_message(other, words(5), forced={"reasoning": words(150), "content": words(5)})
+        assert got.accounting.uncached_prefill_tokens == got.accounting.prompt_tokens
+        assert small.engine.host.peek(waiting) is not None  # demoted, not lost
+        back = resume(small, waiting, step)
+        assert back.accounting.host_loaded_tokens > 0
+        small.check_integrity()
+    finally:
+        small.close()
+
+
+def test_host_tier_loss_is_recomputed():
+    tiny_host = Runtime(RuntimeConfig(model="tiny", page_size=16, pool_tokens=4096, host_pool_tokens=160,
+                                      max_context=2048), background=False)
+    try:
+        a, sa = tool_step(tiny_host, "a")
+        assert tiny_host.offload.run_due() == 144
+        b, sb = tool_step(tiny_host, "b")
+        assert tiny_host.offload.run_due() == 144  # pushes a's copy out: the host holds 160
+        assert tiny_host.engine.host.peek(a) is None
+        assert tiny_host.engine.host.stats.lost_tokens == 144
+        ra = resume(tiny_host, a, sa)
+        assert ra.accounting.host_loaded_tokens == 0
+        # Everything before the tool results was computed once and lost: recomputed.
+        assert ra.accounting.recomputed_history_tokens == sa.accounting.prompt_tokens + sa.accounting.output_tokens
+        tiny_host.check_integrity()
+    finally:
+        tiny_host.close()
+
+
+class OffloadMachine(RuleBasedStateMachine):
+    """Any interleaving of steps, tool waits, demotions, reloads, evictions and
+    deletions keeps the pools, locks, chains and host tier consistent."""
+
+    rt: Runtime = None  # set by the test
+
+    def __init__(self):
+        super().__init__()
+        self.pending: dict[str, str] = {}  # conversation -> pending call id
+        self.idle: list[str] = []
+
+    @rule(tools=st.booleans(), r=st.integers(0, 40), offload=st.sampled_from(["never", "always", "pressure"]))
+    def open_turn(self, tools, r, offload):
+        cid = self.rt.create_conversation(system=words(20), policy="drop", offload=offload)
+        forced = {"reasoning": words(r)}
+        forced.update({"tool_calls": [{"name": "f", "arguments": {}}]} if tools else {"content": words(3)})
+        try:
+            step = self.rt.send_message(cid, words(3), forced=forced)
+        except PoolExhausted:  # a normal outcome with a full pool: nothing changed
+            self.idle.append(cid)
+            assert self.rt.describe(cid)["turns"] == []
+            return
+        (self.pending.__setitem__(cid, step.tool_calls[0]["id"]) if tools else self.idle.append(cid))
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def answer(self, data):
+        cid = data.draw(st.sampled_from(sorted(self.pending)))
+        try:
+            self.rt.send_tool_results(cid, [{"tool_call_id": self.pending[cid], "content": "r"}],
+                                      forced={"content": words(2)})
+        except PoolExhausted:
+            assert self.rt.describe(cid)["pending_tool_calls"][0]["id"] == self.pending[cid]
+            return
+        del self.pending[cid]
+        self.idle.append(cid)
+
+    @rule()
+    def demote_due(self):
+        self.rt.offload.run_due()
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def demote_one(self, data):
+        self.rt.engine.demote(data.draw(st.sampled_from(sorted(self.pending))))
+
+    @rule(n=st.integers(1, 512))
+    def evict(self, n):
+        with self.rt.engine.lock:
+            self.rt.engine.tree.evict_tokens(n)
+
+    @precondition(lambda self: self.idle or self.pending)
+    @rule(data=st.data())
+    def delete(self, data):
+        cid = data.draw(st.sampled_from(sorted(self.idle + list(self.pending))))
+        self.rt.delete_conversation(cid)
+        self.pending.pop(cid, None)
+        if cid in self.idle:
+            self.idle.remove(cid)
+
+    @invariant()
+    def consistent(self):
+        self.rt.check_integrity()
+
+    def teardown(self):
+        for cid in list(self.rt.conversations):
+            self.rt.delete_conversation(cid)
+
+
+def test_any_interleaving_keeps_integrity():
+    machine_rt = Runtime(RuntimeConfig(model="tiny", page_size=16, pool_tokens=1024, host_pool_tokens=512,
+                                       max_context=1024), background=False)
+    OffloadMachine.rt = machine_rt
+    try:
+        from hypothesis.stateful import run_state_machine_as_test
+
+        run_state_machine_as_test(OffloadMachine, settings=settings(
+            max_examples=12, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)))
+    finally:
+        machine_rt.close()
