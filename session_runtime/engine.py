@@ -392,6 +392,17 @@ class Engine:
         with self.lock:
             return self._finish_demote(plan, kv, t)
 
+    def discard(self, owner: str) -> int:
+        """Free the owner's exclusive chain tail without a host copy: the next step
+        recomputes it (InferCept's "discard", a baseline). Returns tokens freed."""
+        with self.lock:
+            plan = self.tree.plan_demote(owner)
+            if plan is None:
+                return 0
+            self.tree.drop_tail(plan)
+            self.host.stats.lost_tokens += len(plan.tokens)
+            return len(plan.tokens)
+
     def demote_locked(self, owner: str) -> int:
         """`demote` with the copy under the lock (called from inside a step)."""
         with self.lock:

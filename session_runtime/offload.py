@@ -5,7 +5,8 @@ KV may move to the host tier and come back before the next step's prefill.
 - always: demote as soon as the step ends in tool calls;
 - ttl: demote after `ttl_s` seconds of waiting (as in Continuum);
 - pressure: demote when free device pages fall below `min_free_fraction`, or an
-  allocation cannot be met, least-recently-waiting conversations first.
+  allocation cannot be met, least-recently-waiting conversations first;
+- discard (baseline, InferCept's "discard"): free the KV at once, recompute on resume.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Optional
 from session_runtime.engine import Engine
 from session_runtime.errors import InvalidRequest
 
-OFFLOAD_MODES = ("never", "always", "ttl", "pressure")
+OFFLOAD_MODES = ("never", "always", "ttl", "pressure", "discard")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class OffloadManager:
             order = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
         out = []
         for owner, (since, s) in order:
-            if (s.mode == "always" or (s.mode == "ttl" and now - since >= s.ttl_s)
+            if (s.mode in ("always", "discard") or (s.mode == "ttl" and now - since >= s.ttl_s)
                     or (s.mode == "pressure" and free < s.min_free_fraction)):
                 out.append(owner)
         return out
@@ -84,7 +85,8 @@ class OffloadManager:
         """Demote every conversation due now. Returns the tokens demoted."""
         total = 0
         for owner in self.due(now):
-            moved = self.engine.demote(owner)
+            discard = self.waiting.get(owner, (0, OffloadSettings()))[1].mode == "discard"
+            moved = self.engine.discard(owner) if discard else self.engine.demote(owner)
             total += moved
             if moved or self.engine.tree.plan_demote(owner) is None:
                 self.wait_ended(owner)  # nothing (more) to move for this wait

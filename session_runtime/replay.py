@@ -22,7 +22,6 @@ validating a trace is instant.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import uuid
@@ -492,7 +491,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
 def turn_table(result: ReplayResult) -> str:
     """One row per turn; the footer sums each column (context: the final one)."""
     rows = [t.row() for t in result.turns]
-    total = {k: sum(r[k] or 0 for r in rows) for k, _ in TURN_COLUMNS}
+    total = {k: sum(r[k] or 0 for r in rows) for k, _ in TURN_COLUMNS if k not in ("turn", "line", "state")}
     total.update(turn="total", line=None, state="", context=rows[-1]["context"] if rows else 0)
     return format_table([h for _, h in TURN_COLUMNS], [[r[k] for k, _ in TURN_COLUMNS] for r in rows],
                         [[total[k] for k, _ in TURN_COLUMNS]])
@@ -599,19 +598,15 @@ def add_arguments(parser) -> None:
 
 
 def run_specs(args) -> list[RunSpec]:
-    """RunSpecs from --policy/--compare, labels made unique. Raises ValueError."""
+    """RunSpecs from --policy/--compare in order, each run once. Raises ValueError."""
     texts = list(args.policy or [])
     if args.compare:
         texts += list(COMPARE)
-    if not texts:
-        texts = ["drop"]
-    specs, seen = [], {}
-    for text in texts:
+    specs: list[RunSpec] = []
+    for text in texts or ["drop"]:
         spec = parse_run_spec(text, args.materialize, args.keep_last_k)
-        n = seen[spec.label] = seen.get(spec.label, 0) + 1
-        if n > 1:
-            spec = dataclasses.replace(spec, label=f"{spec.label}#{n}")
-        specs.append(spec)
+        if spec not in specs:  # the same run twice replays the same numbers
+            specs.append(spec)
     return specs
 
 

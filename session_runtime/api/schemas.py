@@ -30,7 +30,7 @@ class CreateConversation(BaseModel):
     materialize: Literal["auto", "always", "never"] = "auto"
     template: Optional[Literal["deepseek", "qwen3"]] = None
     continue_probability: float = Field(default=0.8, ge=0.0, le=1.0)
-    offload: Optional[Literal["never", "always", "ttl", "pressure"]] = None
+    offload: Optional[Literal["never", "always", "ttl", "pressure", "discard"]] = None
     ttl_s: float = Field(default=2.0, ge=0.0)
 
 

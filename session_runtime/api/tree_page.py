@@ -108,7 +108,7 @@ function nodeBox(n, nChildren) {
   box.title = "namespace: " + (n.namespace || "-") + "\\ndepth: " + n.depth_tokens + " tokens";
   const row = el("div", "row");
   row.append(el("span", "nid", "#" + n.id), el("span", "tok", n.tokens + " tok"),
-             el("span", "muted", "end @" + n.depth_tokens));
+             el("span", "muted", "depth " + n.depth_tokens));
   if (nChildren > 1) row.append(el("span", "fork-mark", "fork x" + nChildren));
   row.append(el("span", "res", n.residency), el("span", "hits", "hits " + n.hit_count));
   row.append(n.lock_count > 0 ? el("span", "lock", "locked x" + n.lock_count) : el("span", "muted", "unlocked"));
