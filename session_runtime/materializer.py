@@ -45,6 +45,7 @@ class Materializer:
         self.cond = threading.Condition()
         self.waiting_users = 0  # user requests queued for the engine
         self.before_run: Optional[Callable[[Job], None]] = None  # test hook
+        self.on_done: Optional[Callable[[Job], None]] = None  # the runtime records the result
         self.stats = {"done": 0, "cancelled": 0, "joined": 0, "failed": 0, "prefill_tokens": 0}
         self._stop = False
         self._thread = None
@@ -140,6 +141,8 @@ class Materializer:
                             sampling=SamplingParams(max_tokens=0), forced=[])
             )
             job.prefill_tokens = result.accounting.uncached_prefill_tokens
+            if self.on_done is not None:
+                self.on_done(job)
             with self.cond:
                 self.stats["prefill_tokens"] += job.prefill_tokens
                 self._finish(job, "done")

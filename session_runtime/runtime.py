@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from radix_ext.tree import Namespace, NodeInfo
+from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.engine import Engine, StepRequest, StepResult
@@ -30,10 +30,11 @@ from session_runtime.store import Store
 from session_runtime.templates import Message, Template, ToolCall, build_template
 from session_runtime.tokenizer import load_tokenizer
 from session_runtime import importer
+from session_runtime.inspection import RuntimeInspection
 from session_runtime import turns as turn_rules
 
 
-class Runtime:
+class Runtime(RuntimeInspection):
     """Holds conversations, the engine and the materializer. Thread-safe: steps
     of one conversation are serialized, the engine serializes all steps."""
 
@@ -49,6 +50,7 @@ class Runtime:
         self.engine = Engine(self.config, decoder)
         self.engine.warmup()
         self.materializer = Materializer(self.engine, background=background)
+        self.materializer.on_done = self._materialized
         self.offload = OffloadManager(self.engine, background=background)
         self.model_id = self.config.model_id or self.config.model
         self.conversations: dict[str, Conversation] = {}
@@ -62,6 +64,16 @@ class Runtime:
             for conv in self.store.load_all():
                 self.conversations[conv.id] = conv
                 self._conv_locks[conv.id] = threading.Lock()
+
+    def _materialized(self, job) -> None:
+        """A canonical branch is in the tree: record it on the turn that closed.
+        Runs on the materializer's thread; the conversation's next step waits
+        for the job, so nothing else writes these fields meanwhile."""
+        with self._lock:
+            conv = self.conversations.get(job.owner)
+        if conv is not None and conv.turns:
+            conv.turns[-1].materialized_prefill_tokens = job.prefill_tokens
+            conv.canonical_kind = "canonical"
 
     def _persist(self, conv: Conversation) -> None:
         if self.store is not None:
@@ -380,65 +392,6 @@ class Runtime:
             if ok:
                 self.materializer.submit(conv.id, canonical, ns)
         return acc
-
-    # ----- inspection ---------------------------------------------------------
-
-    def describe(self, conversation_id: str, tokens: bool = False) -> dict:
-        """Trace, canonical history, per-turn accounting and the chain."""
-        conv = self.get(conversation_id)
-        with self.engine.lock:
-            chain_len = self.engine.tree.chain_tokens(conv.id)
-            out = {
-                "id": conv.id, "system": conv.system, "tenant": conv.tenant, "template": conv.template,
-                "policy": conv.policy.name, "keep_last_k": conv.policy.keep_last_k,
-                "materialize": conv.materialize.mode, "tools": conv.tools,
-                "trace": [e.as_dict() for e in conv.trace],
-                "history": [{"role": m.role, "turn": m.turn, "content": m.content, "reasoning": m.reasoning,
-                             "tool_calls": [c.as_dict() for c in m.tool_calls], "tool_call_id": m.tool_call_id}
-                            for m in conv.history],
-                "pending_tool_calls": [c.as_dict() for c in conv.protocol.pending_calls] if conv.protocol else [],
-                "turns": [t.as_dict() for t in conv.turns],
-                "chain": {
-                    "sequence_tokens": len(conv.chain_tokens), "cached_tokens": chain_len,
-                    "kind": conv.canonical_kind,
-                    "kv_device_bytes": chain_len * self.engine.bytes_per_token,
-                    "kv_host_bytes": self.engine.host.bytes_of(conv.id),
-                },
-                "offload": conv.offload.mode,
-            }
-            if tokens:
-                out["chain"]["token_ids"] = list(conv.chain_tokens)
-        return out
-
-    def tree_snapshot(self, conversation: Optional[str] = None) -> list[NodeInfo]:
-        if conversation is not None:
-            self.get(conversation)
-        with self.engine.lock:
-            return (self.engine.tree.snapshot(preview=self.tokenizer.decode, owner=conversation)
-                    + self.engine.host_nodes(self.tokenizer.decode, owner=conversation))
-
-    def chains(self) -> dict[str, int]:
-        """Tokens each conversation's chain holds in the tree."""
-        with self.engine.lock:
-            return {cid: self.engine.tree.chain_tokens(cid) for cid in list(self.conversations)}
-
-    def gauges(self) -> dict[str, float]:
-        """Pool usage for /metrics."""
-        with self.engine.lock:
-            tree, pools = self.engine.tree, self.engine.pools
-            return {
-                "pool_capacity_tokens": pools.capacity,
-                "pool_free_tokens": pools.allocator.available_size(),
-                "tree_locked_tokens": tree.protected_size(),
-                "tree_evictable_tokens": tree.evictable_size(),
-                "conversations": len(self.conversations),
-                "materialized_total": self.materializer.stats["done"],
-                "materialize_cancelled_total": self.materializer.stats["cancelled"],
-                "materialize_joined_total": self.materializer.stats["joined"],
-                "host_capacity_tokens": self.engine.host.capacity_tokens,
-                "host_used_tokens": self.engine.host.used_tokens,
-                **{f"offload_{k}": v for k, v in dataclasses.asdict(self.engine.host.stats).items()},
-            }
 
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up, and every chain has a conversation."""
