@@ -30,6 +30,7 @@ class HostEntry:
     tokens: array
     kv: object  # SGLang CPU copy: per layer, per chunk, [k, v]
     nbytes: int
+    node_id: int = 0  # stable negative id in tree snapshots, set by HostTier.put
 
 
 @dataclass
@@ -52,6 +53,7 @@ class HostTier:
     entries: "OrderedDict[str, HostEntry]" = field(default_factory=OrderedDict)
     stats: TransferStats = field(default_factory=TransferStats)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _stored: int = 0
 
     @property
     def used_tokens(self) -> int:
@@ -71,6 +73,8 @@ class HostTier:
                 owner, old = self.entries.popitem(last=False)
                 self.stats.lost_tokens += len(old.tokens)
                 lost.append(owner)
+            self._stored += 1
+            entry.node_id = -self._stored
             self.entries[entry.owner] = entry
             self.stats.demoted_tokens += len(entry.tokens)
             self.stats.demoted_bytes += entry.nbytes

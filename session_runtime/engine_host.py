@@ -91,9 +91,9 @@ class HostTierOps:
         with self.host.lock:
             entries = list(self.host.entries.values())
         return [
-            NodeInfo(id=-(i + 1), parent=e.anchor_node_id if e.anchor_tokens else None, tokens=len(e.tokens),
+            NodeInfo(id=e.node_id, parent=e.anchor_node_id if e.anchor_tokens else None, tokens=len(e.tokens),
                      depth_tokens=e.anchor_tokens + len(e.tokens), preview=preview(list(e.tokens[:16])),
                      hit_count=0, lock_count=0, last_access_age_s=0.0, residency="host",
                      owners=(e.owner,), namespace=None)
-            for i, e in enumerate(entries) if owner is None or e.owner == owner
+            for e in entries if owner is None or e.owner == owner
         ]
