@@ -23,7 +23,7 @@ from session_runtime.accounting import StepAccounting, attention_work
 from session_runtime.config import RuntimeConfig
 from session_runtime.engine_host import HostTierOps
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
-from session_runtime.model.decoder import Decoder, GatheredKV
+from session_runtime.model.decoder import Decoder
 from session_runtime.sampling import Sampler, SamplingParams, token_logprob
 
 
@@ -196,21 +196,19 @@ class Engine(HostTierOps):
             raise PoolExhausted("no free request row: too many steps in flight")
         return rows[0]
 
-    def _forward(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool,
-                 gathered: Optional[GatheredKV] = None) -> torch.Tensor:
+    def _forward(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
         """Run `ids` at positions start.. in chunks of `prefill_chunk` tokens, so
         attention over a long prompt never materialises a full q x n score matrix."""
         chunk = self.config.prefill_chunk
         outs = []
         for i in range(0, len(ids), chunk):
             last = i + chunk >= len(ids)
-            part = self._forward_chunk(ids[i : i + chunk], start + i, buf, row, all_logits, gathered)
+            part = self._forward_chunk(ids[i : i + chunk], start + i, buf, row, all_logits)
             if all_logits or last:
                 outs.append(part)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _forward_chunk(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool,
-                       gathered: Optional[GatheredKV]) -> torch.Tensor:
+    def _forward_chunk(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
         end = start + len(ids)
         buf.ensure(end)
         r2t = self.pools.req_to_token
@@ -222,7 +220,6 @@ class Engine(HostTierOps):
             r2t.req_to_token[row, :end].to(torch.int64),
             self.pools.kv,
             all_logits=all_logits,
-            gathered=gathered,
         )
 
     def _run(self, req, prompt, m, buf, row, logical, t0, reloaded: tuple[int, int]) -> StepResult:
@@ -235,12 +232,7 @@ class Engine(HostTierOps):
         kept_logits: list[torch.Tensor] = []
 
         t = time.perf_counter()
-        # On CPU the step keeps a contiguous copy of its context K/V, so decode
-        # does not re-gather the whole context per token (on CUDA the copy would
-        # double KV memory; there a paged attention kernel is the right tool).
-        extra = len(req.forced) if req.forced is not None else min(sp.max_tokens, self.config.max_context - n)
-        gathered = GatheredKV(n + extra) if self.device.type == "cpu" else None
-        logits = self._forward(prompt[m:], m, buf, row, all_logits=req.return_logits, gathered=gathered)
+        logits = self._forward(prompt[m:], m, buf, row, all_logits=req.return_logits)
         self._sync()
         prefill_s = time.perf_counter() - t
         model_s += prefill_s
@@ -255,7 +247,7 @@ class Engine(HostTierOps):
             t = time.perf_counter()
             first_token_t = t
             if forced:
-                more = self._forward(forced, n, buf, row, all_logits=want_all, gathered=gathered)
+                more = self._forward(forced, n, buf, row, all_logits=want_all)
                 if want_all:
                     rows = torch.cat((logits[-1:], more[:-1]))
                     if sp.logprobs:
@@ -289,7 +281,7 @@ class Engine(HostTierOps):
                     break
                 if len(output) == limit:
                     break
-                out = self._forward([tok], n + len(output) - 1, buf, row, all_logits=False, gathered=gathered)
+                out = self._forward([tok], n + len(output) - 1, buf, row, all_logits=False)
                 last = out[-1]
                 if req.return_logits:
                     kept_logits.append(out)

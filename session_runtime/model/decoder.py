@@ -79,11 +79,8 @@ class Attention(nn.Module):
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         pool = batch.kv_pool
         pool.set_kv_buffer(None, batch.out_slots, k, v, layer_id_override=self.layer_id)
-        if batch.gathered is not None:
-            keys, values = batch.gathered.extend(self.layer_id, pool, batch.ctx_slots, k, v)
-        else:
-            keys = pool.get_key_buffer(self.layer_id)[batch.ctx_slots]
-            values = pool.get_value_buffer(self.layer_id)[batch.ctx_slots]
+        keys = pool.get_key_buffer(self.layer_id)[batch.ctx_slots]
+        values = pool.get_value_buffer(self.layer_id)[batch.ctx_slots]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
@@ -126,48 +123,13 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class GatheredKV:
-    """A step's context K/V in one contiguous buffer per layer.
-
-    Attention over the paged pool first gathers the context's slots; doing that
-    on every decode step costs O(context) memory traffic per token. This keeps
-    the gathered copy for the whole step and appends each new token's K/V (the
-    same values just written to the pool), so a decode step copies O(1).
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.lengths: dict[int, int] = {}
-
-    def extend(self, layer: int, pool, ctx_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        n, q = len(ctx_slots), k.shape[0]
-        assert n <= self.capacity, f"context {n} over the gathered capacity {self.capacity}"
-        if self.lengths.get(layer) != n - q:
-            # First use (or a gap): gather everything before the new tokens.
-            kb, vb = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-            if layer not in self.buffers:
-                self.buffers[layer] = (kb.new_empty((self.capacity, *kb.shape[1:])),
-                                       vb.new_empty((self.capacity, *vb.shape[1:])))
-            K, V = self.buffers[layer]
-            K[: n - q] = kb[ctx_slots[: n - q]]
-            V[: n - q] = vb[ctx_slots[: n - q]]
-        K, V = self.buffers[layer]
-        K[n - q : n] = k
-        V[n - q : n] = v
-        self.lengths[layer] = n
-        return K[:n], V[:n]
-
-
 class ForwardBatch:
     """One chunk of one sequence: where its K/V go and what it attends over."""
 
-    __slots__ = ("kv_pool", "out_slots", "ctx_slots", "mask", "gathered")
+    __slots__ = ("kv_pool", "out_slots", "ctx_slots", "mask")
 
-    def __init__(self, kv_pool, positions: torch.Tensor, out_slots: torch.Tensor, ctx_slots: torch.Tensor,
-                 gathered: "GatheredKV | None" = None):
+    def __init__(self, kv_pool, positions: torch.Tensor, out_slots: torch.Tensor, ctx_slots: torch.Tensor):
         self.kv_pool = kv_pool
-        self.gathered = gathered
         self.out_slots = out_slots
         self.ctx_slots = ctx_slots
         q_len, n_ctx = len(positions), len(ctx_slots)
@@ -202,13 +164,11 @@ class Decoder(nn.Module):
         ctx_slots: torch.Tensor,
         kv_pool,
         all_logits: bool = False,
-        gathered: GatheredKV | None = None,
     ) -> torch.Tensor:
-        """Run q tokens; returns float32 logits [q, vocab] (or [1, vocab] for the last).
-        With `gathered`, attention reads the step's contiguous K/V copy."""
+        """Run q tokens; returns float32 logits [q, vocab] (or [1, vocab] for the last)."""
         if self._rope is None:
             self._rope = Rope(self.cfg.head_dim, self.cfg.rope_theta, input_ids.device)
-        batch = ForwardBatch(kv_pool, positions, out_slots, ctx_slots, gathered)
+        batch = ForwardBatch(kv_pool, positions, out_slots, ctx_slots)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._rope.cos_sin(positions, h.dtype)
         for layer in self.model.layers:
