@@ -309,7 +309,9 @@ def parse_run_spec(text: str, materialize: str = "auto", keep_last_k: int = 1) -
     return RunSpec(name, mode or materialize, keep_last_k)
 
 
-COMPARE = ("keep", "drop:never", "drop", "keep_last_k", "engine_default", "strip_thinking_cache")
+# drop under both extremes: auto decides per turn (|R| against the tail it would prefill) and
+# often skips tool-heavy turns, so `--policy drop` adds it when wanted.
+COMPARE = ("keep", "drop:never", "drop:always", "keep_last_k", "engine_default", "strip_thinking_cache")
 
 
 @dataclass
