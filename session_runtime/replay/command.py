@@ -1,0 +1,129 @@
+"""`session-runtime replay`: arguments and the command."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from session_runtime.policies import MATERIALIZE_MODES, POLICIES
+
+
+from session_runtime.replay.trace import TraceError, load_trace
+from session_runtime.replay.run import COMPARE, ReplayError, RunSpec, parse_run_spec, replay
+from session_runtime.replay.report import LEGEND, Progress, describe_run, totals_table
+
+
+# ----- the CLI command ---------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    """The `replay` subcommand's flags (cli.py builds the subparser)."""
+    from session_runtime.config import PRESETS, RuntimeConfig
+
+    d = RuntimeConfig()
+    parser.add_argument("trace", help="JSONL trace (see examples/TRACE_FORMAT.md)")
+    parser.add_argument("--policy", action="append", default=None, metavar="POLICY[:MATERIALIZE]",
+                        help=f"policy to replay under; repeat to compare ({', '.join(POLICIES)}); "
+                             "a suffix such as drop:never sets that run's materialize mode (default: drop)")
+    parser.add_argument("--compare", action="store_true",
+                        help=f"replay under {', '.join(COMPARE)} (after any --policy)")
+    parser.add_argument("--keep-last-k", type=int, default=1, help="k of keep_last_k")
+    parser.add_argument("--materialize", default="auto", choices=MATERIALIZE_MODES,
+                        help="materialize mode of runs that do not set one")
+    parser.add_argument("--model", default=d.model, help=f"a preset ({', '.join(PRESETS)}) or a local HF folder")
+    parser.add_argument("--template", default=d.template, choices=["deepseek", "qwen3"])
+    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--dtype", default=d.dtype)
+    parser.add_argument("--page-size", type=int, default=d.page_size)
+    parser.add_argument("--pool-tokens", type=int, default=d.pool_tokens)
+    parser.add_argument("--max-context", type=int, default=d.max_context)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--json", metavar="PATH", help="also write every run's per-step accounting as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run_specs(args) -> list[RunSpec]:
+    """RunSpecs from --policy/--compare in order, each run once. Raises ValueError."""
+    texts = list(args.policy or [])
+    if args.compare:
+        texts += list(COMPARE)
+    specs: list[RunSpec] = []
+    for text in texts or ["drop"]:
+        spec = parse_run_spec(text, args.materialize, args.keep_last_k)
+        if spec not in specs:  # the same run twice replays the same numbers
+            specs.append(spec)
+    return specs
+
+
+def run_command(args, out=None, err=None) -> int:
+    """`session-runtime replay`: validate the trace, then build the Runtime (slow)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    if args.keep_last_k < 0:
+        print("session-runtime replay: --keep-last-k must be >= 0", file=err)
+        return 2
+    try:
+        specs = run_specs(args)
+        trace = load_trace(args.trace)
+    except TraceError as exc:
+        print(f"session-runtime replay: {args.trace}: {exc}", file=err)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"session-runtime replay: {exc}", file=err)
+        return 2
+
+    from session_runtime.config import RuntimeConfig
+    from session_runtime.errors import RuntimeErrorBase
+
+    try:
+        config = RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                               pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
+                               template=args.template)
+    except ValueError as exc:
+        print(f"session-runtime replay: {exc}", file=err)
+        return 2
+    print(f"session-runtime replay: {trace.source}: {len(trace.turns)} turns, {trace.n_steps} steps, "
+          f"{trace.n_tool_calls} tool calls; loading {config.model} ...", file=err, flush=True)
+    import warnings
+
+    warnings.filterwarnings("ignore", module="sglang")
+    from session_runtime.runtime import Runtime
+
+    progress = None
+    try:
+        rt = Runtime(config, background=False)
+    except RuntimeErrorBase as exc:
+        print(f"session-runtime replay: {exc}", file=err)
+        return 2
+    try:
+        progress = Progress(trace.n_steps * len(specs), enabled=not args.no_progress, stream=err)
+        results = []
+        for spec in specs:
+            progress.set(spec.label)
+            results.append(replay(rt, trace, spec, on_step=progress.update))
+        progress.close()
+        progress = None
+    except (RuntimeErrorBase, ReplayError) as exc:
+        if progress is not None:
+            progress.close()
+        print(f"session-runtime replay: {type(exc).__name__}: {exc}", file=err)
+        return 1
+    finally:
+        rt.close()
+
+    print(f"trace {trace.source}: {len(trace.turns)} turns, {trace.n_steps} steps, {trace.n_tool_calls} tool "
+          f"calls; model {config.model}, template {config.template}, page size {config.page_size}", file=out)
+    for r in results:
+        print("", file=out)
+        print(describe_run(r), file=out)
+    if len(results) > 1:
+        print("\n== totals ==", file=out)
+        print(totals_table(results), file=out)
+    print("\n" + LEGEND, file=out)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "trace": trace.source, "model": config.model, "template": config.template,
+            "page_size": config.page_size, "runs": [r.as_dict() for r in results],
+        }, indent=1))
+        print(f"wrote {args.json}", file=out)
+    return 0
