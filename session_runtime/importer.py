@@ -86,9 +86,22 @@ def adopt(conv: Conversation, tpl: Template, messages: Sequence[Message]) -> Non
     keep = conv.policy.kept_turns(closed)
     conv.history = [tpl.strip_reasoning(m) if m.role == "assistant" and not keep(m.turn) and m.reasoning else m
                     for m in messages]
+    # Each turn's first prompt, as it would have rendered then: the seed's |P|,
+    # which tells the next turn whether reuse went past it (cache_state).
+    for record in conv.turns:
+        first_user = next(i for i, m in enumerate(messages) if m.turn == record.index and m.role == "user")
+        before = [m if keep_then(record.index, m, conv, tpl) else tpl.strip_reasoning(m) for m in messages[:first_user]]
+        record.first_prompt_tokens = len(
+            tpl.render(conv.system, conv.tools, before + [messages[first_user]],
+                       conv.policy.kept_turns(record.index), True).ids)
     conv.protocol = None
     if open_turn is not None:
         generated = tuple(i for m in messages if m.turn == open_turn and m.role == "assistant" for i in m.output_ids)
         conv.protocol = ProtocolState(open_turn, last.tool_calls, generated)
     conv.chain_tokens = []
     conv.canonical_kind = "none"
+
+
+def keep_then(turn: int, msg: Message, conv: Conversation, tpl: Template) -> bool:
+    """Did `msg` keep its reasoning when turn `turn` opened?"""
+    return msg.role != "assistant" or not msg.reasoning or conv.policy.kept_turns(turn)(msg.turn)

@@ -70,7 +70,9 @@ class MaterializeSettings:
     mode: str = "auto"
     continue_probability: float = 0.8  # expected chance of another user turn
     min_continue_probability: float = 0.5
-    min_reasoning_ratio: float = 1.0  # |R| / |A| below this: not worth it
+    # |R| over everything re-prefilled after the fork (answer, tool calls and
+    # results): below this the shorter context is not worth a second prefill.
+    min_reasoning_ratio: float = 0.25
     min_free_fraction: float = 0.10  # free share of the device pool
     require_idle: bool = True
 
