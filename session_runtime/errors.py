@@ -21,6 +21,8 @@ class ConversationNotFound(RuntimeErrorBase, KeyError):
 class InvalidRequest(RuntimeErrorBase, ValueError):
     """Bad input: an empty message, unknown options, a negative max_tokens."""
 
+    status = 422
+
 
 class ContextTooLong(InvalidRequest):
     status = 413

@@ -67,26 +67,36 @@ class OffloadManager:
         self.wait_ended(owner)
         self.engine.host.take(owner)
 
-    def due(self, now: Optional[float] = None) -> list[str]:
-        """Owners to demote now, least recently waiting first."""
-        now = time.monotonic() if now is None else now
+    def free_fraction(self) -> float:
+        """Device pages free or reclaimable (unlocked cache) over the pool."""
         pools = self.engine.pools
-        free = pools.allocator.available_size() / pools.capacity
+        return (pools.allocator.available_size() + self.engine.tree.evictable_size()) / pools.capacity
+
+    def due(self, now: Optional[float] = None) -> list[str]:
+        """Owners whose policy says demote now, least recently waiting first.
+        Pressure waiters are listed while the pool is short; `run_due` stops
+        demoting them once enough is free."""
+        now = time.monotonic() if now is None else now
+        short = self.free_fraction()
         with self.cond:
             order = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
-        out = []
-        for owner, (since, s) in order:
-            if (s.mode in ("always", "discard") or (s.mode == "ttl" and now - since >= s.ttl_s)
-                    or (s.mode == "pressure" and free < s.min_free_fraction)):
-                out.append(owner)
-        return out
+        return [owner for owner, (since, s) in order
+                if s.mode in ("always", "discard") or (s.mode == "ttl" and now - since >= s.ttl_s)
+                or (s.mode == "pressure" and short < s.min_free_fraction)]
 
     def run_due(self, now: Optional[float] = None) -> int:
-        """Demote every conversation due now. Returns the tokens demoted."""
+        """Demote every conversation due now (pressure ones only until the pool
+        is above their threshold again). Returns the tokens moved off the device."""
         total = 0
         for owner in self.due(now):
-            discard = self.waiting.get(owner, (0, OffloadSettings()))[1].mode == "discard"
-            moved = self.engine.discard(owner) if discard else self.engine.demote(owner)
+            with self.cond:
+                entry = self.waiting.get(owner)
+            if entry is None:
+                continue
+            mode = entry[1].mode
+            if mode == "pressure" and self.free_fraction() >= entry[1].min_free_fraction:
+                continue
+            moved = self.engine.discard(owner) if mode == "discard" else self.engine.demote(owner)
             total += moved
             if moved or self.engine.tree.plan_demote(owner) is None:
                 self.wait_ended(owner)  # nothing (more) to move for this wait

@@ -9,6 +9,7 @@ embedded engine. The HTTP layer and the examples call only this class.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import threading
 import uuid
@@ -137,19 +138,35 @@ class Runtime(RuntimeInspection):
         self._persist(conv)
         return conv.id
 
-    def adopt_history(self, conversation_id: str, raw_messages: Sequence[dict]) -> bool:
-        """Make the conversation's history the client's (OpenAI messages without
-        the system one). Keeps it as is when it already says the same; returns
-        whether it had to be replaced. Raises InvalidRequest."""
+    def adopt_history(self, conversation_id: str, system: Optional[str], tools: Sequence[dict],
+                      raw_messages: Sequence[dict]) -> bool:
+        """Make the conversation's system prompt, tools and history the client's
+        (OpenAI messages without the system one). Keeps it as is when it already
+        says the same; returns whether it had to be replaced. Raises InvalidRequest."""
         with self._locked(conversation_id) as conv:
             tpl = self.template(conv.template)
             messages = importer.client_messages(tpl, raw_messages)
-            if importer.same_history(conv, messages):
+            if conv.system == system and conv.tools == list(tools) and importer.same_history(conv, messages):
                 return False
             self.materializer.cancel(conv.id)
+            conv.system, conv.tools = system, list(tools)
             importer.adopt(conv, tpl, messages)
             self._persist(conv)
             return True
+
+    def snapshot_conversation(self, conversation_id: str) -> Conversation:
+        """A deep copy of the conversation's layers, for `restore_conversation`."""
+        with self._locked(conversation_id) as conv:
+            return copy.deepcopy(conv)
+
+    def restore_conversation(self, saved: Conversation) -> None:
+        """Put back a snapshot (a multi-step request failed half-way). Its chain in
+        the tree is physical state and stays as it is: the next step re-matches."""
+        with self._lock:
+            if saved.id not in self.conversations:
+                self._conv_locks[saved.id] = threading.Lock()
+            self.conversations[saved.id] = saved
+        self._persist(saved)
 
     def get(self, conversation_id: str) -> Conversation:
         """Raises ConversationNotFound."""
@@ -302,6 +319,10 @@ class Runtime(RuntimeInspection):
                     on_token=on_token,
                 )
             )
+        except BaseException:
+            if conv.protocol is not None:  # still waiting for tools: offload may act again
+                self.offload.wait_started(conv.id, conv.offload)
+            raise
         finally:
             self.materializer.user_exit()
         step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)

@@ -74,7 +74,11 @@ def create_app(runtime: Runtime) -> FastAPI:
 
         def run(on_token):
             t0 = time.perf_counter()
-            step = call(cid, first_arg, on_token=on_token, **body.options())
+            try:
+                step = call(cid, first_arg, on_token=on_token, **body.options())
+            except RuntimeErrorBase:
+                metrics.record_error()  # as the exception handler does for plain requests
+                raise
             metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
             return step
 
@@ -88,7 +92,7 @@ def create_app(runtime: Runtime) -> FastAPI:
     def tool_results(cid: str, body: SendToolResults):
         return respond(runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body)
 
-    app.include_router(build_router(runtime, metrics.record_step))
+    app.include_router(build_router(runtime, metrics.record_step, metrics.record_error))
 
     @app.get("/debug/tree")
     def tree(conversation: str | None = None) -> dict:

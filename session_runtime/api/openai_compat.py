@@ -68,29 +68,40 @@ def completion(step: Step, model: str, rid: str) -> dict:
     }
 
 
-def build_router(runtime: Runtime, record_step) -> APIRouter:
+def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
     def chat(body: ChatRequest):
         system, rest = None, list(body.messages)
         if rest and rest[0].get("role") in ("system", "developer"):
-            system = rest.pop(0).get("content") or None
+            system = text_content(rest.pop(0).get("content")) or None
         tail = _tail(rest)
-        cid, ephemeral = _conversation(runtime, body, system)
         if tail[0].get("role") == "user":
-            content = tail[0].get("content")
+            content = text_content(tail[0].get("content"))
             call = lambda **kw: runtime.send_message(cid, content, **kw)  # noqa: E731
         else:
-            results = [{"tool_call_id": str(m.get("tool_call_id", "")), "content": m.get("content") or ""} for m in tail]
+            results = [{"tool_call_id": str(m.get("tool_call_id", "")), "content": text_content(m.get("content"))}
+                       for m in tail]
             call = lambda **kw: runtime.send_tool_results(cid, results, **kw)  # noqa: E731
-        try:
-            runtime.adopt_history(cid, rest[: len(rest) - len(tail)])
-        except Exception:
-            if ephemeral:
+        cid, saved, fresh = _conversation(runtime, body, system)
+        ephemeral = fresh and not body.conversation_id
+
+        def undo() -> None:
+            # A failed request changes nothing: forget what it created, or put
+            # back the conversation it adopted a history into.
+            if fresh:
                 runtime.delete_conversation(cid)
+            elif saved is not None:
+                runtime.restore_conversation(saved)
+
+        try:
+            runtime.adopt_history(cid, system, body.tools or [], rest[: len(rest) - len(tail)])
+        except Exception:
+            undo()
             raise
-        options = {"max_tokens": body.max_completion_tokens or body.max_tokens or 256,
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        options = {"max_tokens": 256 if limit is None else limit,
                    "temperature": body.temperature, "seed": body.seed, "logprobs": body.logprobs}
         model = body.model or runtime.model_id
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -99,9 +110,12 @@ def build_router(runtime: Runtime, record_step) -> APIRouter:
             t0 = time.perf_counter()
             try:
                 step = call(on_token=on_token, **options)
-            finally:
-                if ephemeral:
-                    runtime.delete_conversation(cid)
+            except Exception:
+                record_error()
+                undo()
+                raise
+            if ephemeral:
+                runtime.delete_conversation(cid)
             record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
             return step
 
@@ -128,19 +142,28 @@ def _tail(messages: list[dict]) -> list[dict]:
     raise InvalidRequest("the last message must be a user message or tool results")
 
 
-def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str]) -> tuple[str, bool]:
-    """(conversation id, throw-away?) for the request."""
+def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str]):
+    """(conversation id, snapshot to restore on failure, created by this request?)."""
     if body.conversation_id:
         try:
-            conv = runtime.get(body.conversation_id)
-            if conv.system == system and conv.tools == list(body.tools or []):
-                return conv.id, False
-            runtime.delete_conversation(conv.id)  # another system prompt: another conversation
+            return body.conversation_id, runtime.snapshot_conversation(body.conversation_id), False
         except ConversationNotFound:
             pass
-        return runtime.create_conversation(system, tools=body.tools, policy=body.policy,
-                                           conversation_id=body.conversation_id), False
-    return runtime.create_conversation(system, tools=body.tools, policy=body.policy), True
+        cid = runtime.create_conversation(system, tools=body.tools, policy=body.policy,
+                                          conversation_id=body.conversation_id)
+        return cid, None, True
+    return runtime.create_conversation(system, tools=body.tools, policy=body.policy), None, True
+
+
+def text_content(content: object) -> str:
+    """OpenAI content: a string, or parts of which the text ones count."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise InvalidRequest("message content must be a string or a list of parts")
+    return content
 
 
 def _chunk(kind: str, value: object, model: str, rid: str) -> dict:

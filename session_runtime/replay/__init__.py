@@ -21,7 +21,13 @@ validating a trace is instant.
 """
 
 
-from session_runtime.replay.command import add_arguments, run_command  # noqa: F401
-from session_runtime.replay.report import Progress, describe_run, format_table, totals_table, turn_table  # noqa: F401
-from session_runtime.replay.run import ReplayError, ReplayResult, RunSpec, TurnResult, parse_run_spec, replay  # noqa: F401
-from session_runtime.replay.trace import Trace, TraceError, TraceStep, TraceTurn, load_trace, parse_trace  # noqa: F401
+from session_runtime.replay.command import add_arguments, run_command
+from session_runtime.replay.report import Progress, describe_run, format_table, totals_table, turn_table
+from session_runtime.replay.run import ReplayError, ReplayResult, RunSpec, TurnResult, parse_run_spec, replay
+from session_runtime.replay.trace import Trace, TraceError, TraceStep, TraceTurn, load_trace, parse_trace
+
+__all__ = [
+    "add_arguments", "run_command", "Progress", "describe_run", "format_table", "totals_table", "turn_table",
+    "ReplayError", "ReplayResult", "RunSpec", "TurnResult", "parse_run_spec", "replay",
+    "Trace", "TraceError", "TraceStep", "TraceTurn", "load_trace", "parse_trace",
+]

@@ -1,0 +1,302 @@
+"""Tool-wait offload benchmark: N agents whose KV is ~3x the device pool, under five policies.
+
+    .venv/bin/python bench/offload.py [--device cpu|cuda] [--agents 12] [--context 2048] [--threads 1] [--seed 0]
+
+Writes bench/results/offload.json and .png. Seeded agents (a ~C-token " alpha" system prompt
+under their own tenant, 3-5 forced tool-call steps, exponential tool latencies) run in simulated
+seconds while the engine works in wall time; each policy has its own Runtime and event queue, and
+the five advance one event each in turn so machine noise hits all alike. A step that raises
+PoolExhausted is retried when pages free up; if nothing can progress the youngest agent holding KV
+is aborted and restarted. Then one agent per context size: resume after demote vs after discard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from session_runtime import PoolExhausted, Runtime, RuntimeConfig
+from session_runtime.offload import OffloadSettings
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODES = ("never", "always", "ttl", "pressure", "discard")
+WORDS = "alpha beta gamma delta search file result check value plan".split()  # one DeepSeek token each
+TOOL_MEAN_S, ARRIVAL_MEAN_S, TTL_S, PS = 3.0, 0.5, 2.0, 16
+LATENCY_SIZES, LATENCY_REPS = (1024, 2048, 4096, 8192), 3
+
+
+def words(rng: random.Random, n: int) -> str:
+    return "".join(" " + rng.choice(WORDS) for _ in range(n))
+
+
+def make_agents(args) -> list[dict]:
+    rng, t, agents = random.Random(args.seed), 0.0, []
+    for _ in range(args.agents):
+        t += rng.expovariate(1 / ARRIVAL_MEAN_S)
+        calls = rng.randint(3, 5)
+        steps = [{"content": words(rng, rng.randint(8, 24)), "tool_calls": [
+            {"name": rng.choice(("search", "read_file", "run_tests")), "arguments": {"query": words(rng, 3).strip()}}]}
+            for _ in range(calls)] + [{"content": words(rng, rng.randint(20, 40))}]
+        agents.append({"arrive": t, "system": " alpha" * args.context, "user": "Task:" + words(rng, 12), "steps": steps,
+                       "results": [words(rng, rng.randint(20, 80)) for _ in range(calls)],
+                       "latency": [rng.expovariate(1 / TOOL_MEAN_S) for _ in range(calls)]})
+    return agents
+
+
+class Sim:
+    """One policy's Runtime and event queue (simulated seconds); `event()` handles one event."""
+
+    def __init__(self, mode: str, cfg: RuntimeConfig, agents: list[dict]):
+        self.mode, self.rt, self.agents = mode, Runtime(cfg, background=False), agents
+        self.state = [{"k": 0, "cid": None, "call": None, "prev": 0} for _ in agents]
+        self.queue = sorted((a["arrive"], i, "step", i) for i, a in enumerate(agents))  # sorted: a heap
+        self.seq, self.now, self.busy_s, self.alive = len(agents), 0.0, 0.0, True
+        self.blocked, self.steps, self.samples = [], [], []
+        self.c = {"failed_attempts": 0, "blocked_steps": 0, "aborts": 0, "aborted_tokens": 0, "stall_sim_s": 0.0}
+
+    def push(self, t: float, kind: str, i: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.queue, (t, self.seq, kind, i))
+
+    def try_step(self, i: int) -> bool:
+        """Run agent i's next step; False (nothing changed) on PoolExhausted."""
+        a, s, rt, k = self.agents[i], self.state[i], self.rt, self.state[i]["k"]
+        if s["cid"] is None:
+            s["cid"] = rt.create_conversation(a["system"], tenant=f"agent{i}", policy="keep", offload=self.mode,
+                                              ttl_s=TTL_S)
+        try:
+            step = (rt.send_message(s["cid"], a["user"], forced=a["steps"][0]) if k == 0 else
+                    rt.send_tool_results(s["cid"], [{"tool_call_id": s["call"], "content": a["results"][k - 1]}],
+                                         forced=a["steps"][k]))
+        except PoolExhausted:
+            self.c["failed_attempts"] += 1
+            return False
+        acc = step.accounting
+        self.steps.append({"agent": i, "step": k, "ttft_ms": acc.ttft_ms, "recomputed": acc.recomputed_history_tokens,
+                           "page_tail": s["prev"] % PS,  # the previous step's partial last page: never cached
+                           "host_loaded": acc.host_loaded_tokens, "prefill": acc.uncached_prefill_tokens,
+                           "output": acc.output_tokens, "sequence": acc.prompt_tokens + acc.output_tokens})
+        s["k"], s["prev"] = k + 1, acc.prompt_tokens + acc.output_tokens
+        if step.tool_calls:
+            s["call"], lat = step.tool_calls[0]["id"], a["latency"][k]
+            self.push(self.now + lat, "step", i)
+            if self.mode == "ttl" and lat > TTL_S:
+                self.push(self.now + TTL_S, "ttl", i)
+        else:
+            rt.delete_conversation(s["cid"])
+        return True
+
+    def retry_blocked(self) -> bool:
+        """Blocked steps, resumes first, then by block time, until one fails."""
+        progressed = False
+        for entry in sorted(self.blocked):
+            if not self.try_step(entry[2]):
+                break
+            self.blocked.remove(entry)
+            self.c["stall_sim_s"] += self.now - entry[1]
+            progressed = True
+        return progressed
+
+    def abort_youngest(self) -> None:
+        """Every step left is blocked: abort the youngest agent holding device KV and
+        restart it from its first step, as a scheduler without offload would."""
+        holders = [i for _, _, i in self.blocked if self.rt.engine.tree.chain_tokens(self.state[i]["cid"])]
+        assert holders, f"{self.mode}: deadlock with no KV held: one agent exceeds the pool"
+        i = max(holders, key=lambda j: self.agents[j]["arrive"])
+        self.c["aborts"] += 1
+        self.c["aborted_tokens"] += sum(x["prefill"] + x["output"] for x in self.steps if x["agent"] == i)
+        self.steps = [x for x in self.steps if x["agent"] != i]  # its redone steps are recorded anew
+        self.rt.delete_conversation(self.state[i]["cid"])
+        self.state[i].update(k=0, cid=None, call=None, prev=0)
+        self.blocked = [(True, e[1], i) if e[2] == i else e for e in self.blocked]
+
+    def event(self) -> bool:
+        """Handle the next event, then sample device pages; False when the workload is done."""
+        if not self.queue:
+            if not self.blocked:
+                return False
+            if not self.retry_blocked():
+                self.abort_youngest()
+                self.retry_blocked()
+        else:
+            self.now, _, kind, i = heapq.heappop(self.queue)
+            freed = False
+            if kind == "step":
+                done = self.state[i]["k"] + 1 == len(self.agents[i]["steps"])
+                if self.try_step(i):
+                    freed = done
+                else:
+                    self.c["blocked_steps"] += 1
+                    self.blocked.append((self.state[i]["k"] == 0, self.now, i))
+            # `now` matters to ttl only: at a ttl event, the wait's start (time.monotonic()) plus
+            # ttl_s, which makes due exactly the waits that lasted ttl_s simulated seconds; else 0.
+            waiting = self.rt.offload.waiting.get(self.state[i]["cid"])
+            now = waiting[0] + TTL_S + 1e-6 if kind == "ttl" and waiting else 0.0
+            if self.rt.offload.run_due(now=now) > 0 or freed:
+                self.retry_blocked()
+        pools = self.rt.engine.pools
+        self.samples.append((self.now, (pools.capacity - pools.allocator.available_size()) // PS,
+                             self.rt.engine.tree.protected_size() // PS))
+        return True
+
+    def summary(self) -> dict:
+        st, hs = self.steps, dataclasses.asdict(self.rt.engine.host.stats)
+        res = [x["ttft_ms"] for x in st if x["step"]]
+        rec, tail = sum(x["recomputed"] for x in st), sum(x["page_tail"] for x in st)
+        work = sum(x["sequence"] for x in st if x["step"] + 1 == len(self.agents[x["agent"]]["steps"]))
+        self.rt.check_integrity()
+        for d in ("demote", "promote"):
+            hs[f"{d}_MB_s"] = hs[f"{d}d_bytes"] / hs[f"{d}_ms"] / 1e3 if hs[f"{d}_ms"] else None
+        return {"recomputed_tokens": rec, "page_tail_tokens": tail, "offload_recomputed_tokens": rec - tail,
+                "host_loaded_tokens": sum(x["host_loaded"] for x in st),
+                "prefill_tokens": sum(x["prefill"] for x in st),
+                "resumes": len(res), "resume_ttft_ms": {"median": statistics.median(res),
+                                                       "p90": statistics.quantiles(res, n=10)[-1]},
+                "workload_tokens": work, "busy_wall_s": self.busy_s, "tokens_per_s": work / self.busy_s,
+                "host": hs, **self.c, "events": len(self.samples), "sim_end_s": self.now,
+                "peak_used_pages": max(x[1] for x in self.samples), "resume_ttft_all_ms": res,
+                "pages": self.samples}  # (simulated s, used pages, pages locked by chains) after each event
+
+
+def reload_vs_recompute(cfg: RuntimeConfig) -> list[dict]:
+    """Per size and rep, one agent: tool call, discard, resume (recompute), another tool
+    call, demote, resume (reload). Recompute goes first: its context is the shorter."""
+    rt = Runtime(cfg.replace(pool_tokens=max(LATENCY_SIZES) + 4096, max_context=max(LATENCY_SIZES) + 2048),
+                 background=False)
+    call = {"content": " gamma" * 8, "tool_calls": [{"name": "search", "arguments": {"query": "alpha beta"}}]}
+    rows = []
+    for size in (LATENCY_SIZES[0], *LATENCY_SIZES):  # the first pass warms up
+        got = {"recompute": [], "reload": []}
+        for rep in range(LATENCY_REPS):
+            cid = rt.create_conversation(" alpha" * size, tenant=f"lat{len(rows)}-{rep}", policy="keep",
+                                         offload="never")
+            step = rt.send_message(cid, "Task: beta", forced=call)
+            for how, move in (("recompute", rt.engine.discard), ("reload", rt.engine.demote)):
+                move(cid)
+                result = [{"tool_call_id": step.tool_calls[0]["id"], "content": " delta" * 40}]
+                step = rt.send_tool_results(cid, result, forced=call)
+                got[how].append(step.accounting)
+            rt.delete_conversation(cid)
+        row = {"context": size, "reps": LATENCY_REPS}
+        for how, accs in got.items():
+            row |= {f"{how}_ttft_ms": statistics.median(a.ttft_ms for a in accs), f"{how}_host_loaded":
+                    accs[0].host_loaded_tokens, f"{how}_recomputed": accs[0].recomputed_history_tokens}
+        rows.append(row)
+        print(f"  ctx {size:>5}: reload {row['reload_ttft_ms']:7.1f} ms  "
+              f"recompute {row['recompute_ttft_ms']:7.1f} ms", flush=True)
+    rt.close()
+    return rows[1:]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(19, 5.2))
+    pol, pages = result["policies"], result["config"]["pool_tokens"] // PS
+    colors = ("tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:red")
+    for m, color, lw in zip(MODES, colors, (2, 3, 2, 1.5, 1)):
+        t, used, locked = zip(*pol[m]["pages"])
+        a.step(t, locked, where="post", color=color, lw=lw, alpha=0.8, label=f"{m} (ends {t[-1]:.0f} s)")
+        a.step(t, used, where="post", color=color, lw=0.8, ls=":")
+    a.axhline(pages, color="k", lw=0.8, ls="--")
+    a.set(xlabel="simulated time (s)", ylabel="device pages after each event",
+          title=f"(a) pages held by live agents (solid), used (dotted), pool {pages}")
+    a.legend(fontsize=8, loc="center right", framealpha=0.9)
+    b.boxplot([pol[m]["resume_ttft_all_ms"] for m in MODES])
+    b.set_xticks(range(1, len(MODES) + 1),
+                 [f"{m}\n{pol[m]['failed_attempts']} failed, {pol[m]['aborts']} aborts" for m in MODES], fontsize=8)
+    b.set_yscale("log")
+    b.set(ylabel="resume TTFT: tool result to first token (ms, log)", title="(b) resume latency per policy")
+    rows = result["reload_vs_recompute"]
+    for key, mark, how in (("reload", "o-", "demote"), ("recompute", "s-", "discard")):
+        c.plot([r["context"] for r in rows], [r[f"{key}_ttft_ms"] for r in rows], mark, label=f"{key} ({how}, resume)")
+    c.set_xscale("log", base=2)
+    c.set_yscale("log")
+    c.set(xlabel="context (tokens)", ylabel=f"resume TTFT (ms, median of {LATENCY_REPS})",
+          title="(c) reload vs recompute, one agent")
+    c.legend()
+    fig.suptitle(f"tool-wait offload, {result['agents']} agents x {result['context']} tokens on {result['device']} "
+                 f"({result['threads']} threads, load {result['loadavg_1m']['start']:.1f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--agents", type=int, default=12)
+    ap.add_argument("--context", type=int, default=2048, help="system prompt tokens per agent")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    agents = make_agents(args)
+    pool = args.agents * args.context // 3 // PS * PS
+    cfg = RuntimeConfig(model="tiny", device=args.device, page_size=PS, pool_tokens=pool, seed=args.seed,
+                        host_pool_tokens=args.agents * (args.context + 2048), max_context=args.context + 2048)
+    sims = [Sim(m, cfg, agents) for m in MODES]
+    print(f"{len(sims)} runtimes built ({time.perf_counter() - t0:.1f}s); pool {pool} tokens", flush=True)
+    live = sims
+    while live:  # one event per policy in turn; busy_s: wall time of the policy's own events
+        for s in live:
+            t = time.perf_counter()
+            s.alive = s.event()
+            s.busy_s += time.perf_counter() - t
+        live = [s for s in live if s.alive]
+    policies = {s.mode: s.summary() for s in sims}
+    for m, p in policies.items():
+        print(f"  {m:>8}: recomputed {p['recomputed_tokens']:>6} (offload {p['offload_recomputed_tokens']:>6})  "
+              f"host-loaded {p['host_loaded_tokens']:>6}  resume p50 {p['resume_ttft_ms']['median']:6.1f} ms  "
+              f"p90 {p['resume_ttft_ms']['p90']:6.1f} ms  {p['tokens_per_s']:6.0f} tok/s  "
+              f"failed {p['failed_attempts']}  aborts {p['aborts']}", flush=True)
+    bytes_per_token = sims[0].rt.engine.bytes_per_token
+    for s in sims:
+        s.rt.close()
+    del sims, live, s  # free five decoders and pools before the latency runtime
+    latency = reload_vs_recompute(cfg)
+    offloaders = [policies[m] for m in ("always", "ttl", "pressure")]
+    targets = {
+        "zero_recompute_with_host_room": {
+            "met": all(p["offload_recomputed_tokens"] == 0 and p["host"]["lost_tokens"] == 0 for p in offloaders),
+            "what": "always/ttl/pressure recompute nothing beyond partial last pages, host tier never full"},
+        "reload_below_recompute_above_1k": {
+            "met": all(r["reload_ttft_ms"] < r["recompute_ttft_ms"] for r in latency if r["context"] > 1024),
+            "what": "median resume TTFT after demote < after discard at every context > 1k"}}
+    result = {
+        "command": " ".join([".venv/bin/python", *["-P"] * sys.flags.safe_path, *sys.argv]), "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "agents": args.agents, "context": args.context, "seed": args.seed,
+        "config": {"pool_tokens": pool, "host_pool_tokens": cfg.host_pool_tokens, "page_size": PS,
+                   "bytes_per_token": bytes_per_token, "tool_mean_s": TOOL_MEAN_S, "arrival_mean_s": ARRIVAL_MEAN_S,
+                   "ttl_s": TTL_S, "min_free_fraction": OffloadSettings().min_free_fraction},
+        "working_set_over_pool": args.agents * args.context / pool, "targets": targets,
+        "note": ("On CPU the host tier is host memory too: reload is a memcpy between CPU tensors, recompute the "
+                 "tiny model's prefill (on a GPU reload crosses PCIe). recomputed_tokens includes each step's partial "
+                 "last page (page_tail_tokens, < page_size per step), recomputed under every policy; "
+                 "offload_recomputed_tokens is the rest. Resume TTFT is the successful attempt's; a failed step "
+                 "computes nothing, its cost is simulated: stall_sim_s, and a later sim_end_s (makespan). "
+                 "tokens_per_s: workload_tokens (final sequences) per wall second of the policy's events."),
+        "policies": policies, "reload_vs_recompute": latency,
+        "wall_s": time.perf_counter() - t0, "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "offload.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, RESULTS / "offload.png")
+    print(f"targets: {({k: v['met'] for k, v in targets.items()})}  wall {result['wall_s']:.1f}s -> {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

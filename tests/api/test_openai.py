@@ -1,0 +1,342 @@
+"""POST /v1/chat/completions with the official `openai` client over loopback:
+reasoning_content, usage with cached tokens, conversation_id reuse (exact,
+page-aligned fork point), a tool-call history round trip, streaming, a
+history that replaces the conversation's, and errors.
+
+The shared server (tests/api/conftest.py): 'tiny' preset, page 16, context 512,
+default policy "drop". Greedy decoding of the random-weight model never closes
+its think block, so sampled outputs are all reasoning; content deltas are
+exercised with output forced server-side (test_stream_content_deltas).
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from openai import OpenAI
+
+from session_runtime.errors import InvalidRequest
+
+from tests.api.conftest import PAGE, create, error_of, first_prompt_len, step_ok
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def oai(live):
+    with OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def chat(oai, messages, **kw):
+    return oai.chat.completions.create(model="tiny", messages=messages, **kw)
+
+
+def extra(obj, name):
+    return (obj.model_extra or {}).get(name)
+
+
+def sys(text):
+    return {"role": "system", "content": text}
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def reply(r) -> dict:
+    """The assistant message a client sends back next time."""
+    m = r.choices[0].message
+    return {"role": "assistant", "content": m.content, "reasoning_content": m.reasoning_content}
+
+
+def test_chat_with_system_and_user(oai, client, rt):
+    system = "[basic] You are a terse assistant."
+    r = chat(oai, [sys(system), user("Hello")], max_tokens=8, extra_body={"conversation_id": "oa-basic"})
+    n = first_prompt_len(rt, system, "Hello")
+    assert r.object == "chat.completion" and r.model == "tiny" and r.id.startswith("chatcmpl-")
+    choice = r.choices[0]
+    assert (choice.index, choice.message.role, choice.finish_reason) == (0, "assistant", "length")
+    assert isinstance(choice.message.reasoning_content, str) and choice.message.reasoning_content
+    assert choice.message.tool_calls is None
+    u = r.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (n, 8, n + 8)
+    assert u.prompt_tokens_details.cached_tokens == 0
+    assert extra(r, "conversation_id") == "oa-basic"
+
+    d = client.get("/v1/conversations/oa-basic").json()
+    assert (d["system"], d["policy"], d["tools"]) == (system, "drop", [])
+    assert [(t["role"], t["content"], t.get("reasoning")) for t in d["trace"]] == [
+        ("user", "Hello", None), ("assistant", choice.message.content, choice.message.reasoning_content)]
+    assert d["turns"][0]["steps"] == [extra(r, "accounting")]
+
+    # A model name the server does not have is echoed, not rejected.
+    r2 = chat(oai, [sys(system), user("Hello")], max_tokens=1, extra_body={"model": "anything"})
+    assert r2.usage.completion_tokens == 1
+
+
+def test_conversation_id_reuses_the_page_aligned_fork(oai, client, rt):
+    system = "[reuse] You are a meticulous assistant for the conversation reuse test. Answer briefly and politely, always. " * 2
+    u1, u2 = "What is the capital of France?", "And of Spain?"
+    enc = rt.tokenizer.encode
+    assert len(enc(system)) > 2 * PAGE
+    fork = 1 + len(enc(system)) + 1 + len(enc(u1)) + 1  # bos system <User> u1 <Assistant>: then <think> vs </think>
+    assert fork == 1 + 45 + 1 + 7 + 1 and fork // PAGE * PAGE == 48
+
+    # 11 output tokens: r1's computed sequence (55 + 11 - 1 = 65) fills the tree's
+    # pages up to 64, past the fork, so the fork shows unaligned in the accounting.
+    r1 = chat(oai, [sys(system), user(u1)], max_tokens=11, extra_body={"conversation_id": "oa-reuse"})
+    assert r1.usage.prompt_tokens == fork + 1 and r1.usage.prompt_tokens_details.cached_tokens == 0
+    r2 = chat(oai, [sys(system), user(u1), reply(r1), user(u2)], max_tokens=6,
+              extra_body={"conversation_id": "oa-reuse"})
+    # The drop policy renders turn 0 without its reasoning: </think> answer eos.
+    answer = len(enc(r1.choices[0].message.content or ""))
+    assert r2.usage.prompt_tokens == fork + 1 + answer + 1 + 1 + len(enc(u2)) + 1 + 1
+    assert r2.usage.prompt_tokens_details.cached_tokens == fork // PAGE * PAGE == 48
+    acc = extra(r2, "accounting")
+    assert (acc["logical_reusable_tokens"], acc["alignment_loss_tokens"]) == (fork, fork - 48)
+    assert acc["cache_state"] == "prefix_only"
+
+    d = client.get("/v1/conversations/oa-reuse").json()
+    assert len(d["turns"]) == 2 and d["turns"][0]["fork_tokens"] == fork
+    assert d["turns"][1]["steps"] == [acc]
+    assert [t["content"] for t in d["trace"] if t["role"] == "user"] == [u1, u2]
+    assert d["history"][1]["reasoning"] == ""  # dropped from the canonical history
+    assert d["trace"][1]["reasoning"] == r1.choices[0].message.reasoning_content
+
+
+def test_without_conversation_id_the_conversation_is_thrown_away(oai, client, rt):
+    system = "[ephemeral] A throw-away conversation whose KV stays in the tree, evictable, for reuse by prefix. " * 2
+    n = first_prompt_len(rt, system, "Hi")
+    assert n > 2 * PAGE
+    count = len(rt.conversations)
+    r1 = chat(oai, [sys(system), user("Hi")], max_tokens=3)
+    assert len(rt.conversations) == count
+    error_of(client.get(f"/v1/conversations/{extra(r1, 'conversation_id')}"), 404, "not_found")
+    r2 = chat(oai, [sys(system), user("Hi")], max_tokens=3)
+    assert r2.usage.prompt_tokens == n
+    assert r2.usage.prompt_tokens_details.cached_tokens == (n - 1) // PAGE * PAGE  # evictable, still there
+    assert r2.choices[0].message.reasoning_content == r1.choices[0].message.reasoning_content
+    assert extra(r2, "conversation_id") != extra(r1, "conversation_id")
+
+
+def test_tool_call_history_round_trip(oai, client, rt):
+    """A client history with an assistant tool call and its result runs as the
+    turn's next step, token for token as the session API's tool round trip."""
+    system = "[tools] You can look up the weather."
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [sys(system), user("Weather in Paris?"), {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = chat(oai, messages, tools=TOOLS, max_tokens=6, extra_body={"conversation_id": "oa-tools"})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+    d = client.get("/v1/conversations/oa-tools").json()
+    assert d["tools"] == TOOLS and d["pending_tool_calls"] == []
+    assert [(t["role"], t["content"]) for t in d["trace"]] == [
+        ("user", "Weather in Paris?"), ("assistant", ""), ("tool", "sunny"),
+        ("assistant", r.choices[0].message.content)]
+    assert d["trace"][1]["tool_calls"] == [{"id": "call_1", "name": "get_weather", "arguments": {"city": "Paris"}}]
+    assert d["trace"][2]["tool_call_id"] == "call_1"
+    assert [(t["turn"], t["closed"], len(t["steps"])) for t in d["turns"]] == [(0, True, 1)]
+
+    # The same turn through the session API: same prompt, same greedy output.
+    cid = create(client, system=system, tools=TOOLS, tenant="oa-tools-native")
+    step_ok(client.post(f"/v1/conversations/{cid}/messages", json={
+        "content": "Weather in Paris?", "forced": {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}}))
+    native = step_ok(client.post(f"/v1/conversations/{cid}/tool_results", json={
+        "results": [{"tool_call_id": "call_0_0_0", "content": "sunny"}], "max_tokens": 6}))
+    assert native["accounting"]["prompt_tokens"] == r.usage.prompt_tokens
+    assert native["reasoning"] == r.choices[0].message.reasoning_content
+
+    # Sending the history back as returned keeps the conversation and reuses its chain.
+    r2 = chat(oai, messages + [reply(r), user("Thanks")], tools=TOOLS, max_tokens=2,
+              extra_body={"conversation_id": "oa-tools"})
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    d = client.get("/v1/conversations/oa-tools").json()
+    assert [(t["turn"], len(t["steps"])) for t in d["turns"]] == [(0, 1), (1, 1)]
+
+
+def test_tool_calls_pending_via_openai(oai, client, rt):
+    """A history that ends in an assistant tool call leaves the turn open; the
+    next request answers it with a tool message."""
+    system = "[pending] Tools pending."
+    call = {"id": "c9", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(oai, [sys(system), user("Rome?"), {"role": "assistant", "content": "", "tool_calls": [call]}],
+             tools=TOOLS, max_tokens=2, extra_body={"conversation_id": "oa-pending"})
+    assert e.value.status_code == InvalidRequest.status
+    assert e.value.response.json()["error"]["message"] == "the last message must be a user message or tool results"
+    r = chat(oai, [sys(system), user("Rome?"), {"role": "assistant", "content": "", "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "c9", "content": "rain"}],
+             tools=TOOLS, max_tokens=2, extra_body={"conversation_id": "oa-pending"})
+    assert r.usage.completion_tokens == 2
+    d = client.get("/v1/conversations/oa-pending").json()
+    assert d["trace"][1]["tool_calls"] == [{"id": "c9", "name": "get_weather", "arguments": {"city": "Rome"}}]
+
+
+def test_a_history_that_differs_replaces_the_conversation(oai, client, rt):
+    system = "[replace] A conversation whose history a client rewrites."
+    u1, u2 = "First question?", "Second question?"
+    enc = rt.tokenizer.encode
+    r1 = chat(oai, [sys(system), user(u1)], max_tokens=4, extra_body={"conversation_id": "oa-replace"})
+    fork = 1 + len(enc(system)) + 1 + len(enc(u1)) + 1
+
+    rewritten = {"role": "assistant", "content": "A different answer."}
+    r2 = chat(oai, [sys(system), user(u1), rewritten, user(u2)], max_tokens=4,
+              extra_body={"conversation_id": "oa-replace"})
+    assert r2.usage.prompt_tokens == fork + 1 + len(enc("A different answer.")) + 1 + 1 + len(enc(u2)) + 1 + 1
+    assert r2.usage.prompt_tokens_details.cached_tokens == fork // PAGE * PAGE
+    d = client.get("/v1/conversations/oa-replace").json()
+    assert [(t["role"], t["content"]) for t in d["trace"]] == [
+        ("user", u1), ("assistant", "A different answer."), ("user", u2), ("assistant", r2.choices[0].message.content)]
+    assert d["trace"][1]["reasoning"] == ""  # r1's reasoning is gone with its message
+    assert [(t["turn"], t["closed"], len(t["steps"])) for t in d["turns"]] == [(0, True, 0), (1, True, 1)]
+    assert d["turns"][1]["steps"] == [extra(r2, "accounting")]
+    assert r1.choices[0].message.reasoning_content not in [t.get("reasoning") for t in d["trace"]]
+
+    # Sent back unchanged (reasoning dropped by the client, as clients may), it is kept.
+    r3 = chat(oai, [sys(system), user(u1), rewritten, user(u2), {"role": "assistant", "content": r2.choices[0].message.content},
+                    user("Third?")], max_tokens=2, extra_body={"conversation_id": "oa-replace"})
+    d3 = client.get("/v1/conversations/oa-replace").json()
+    assert d3["turns"][:2] == d["turns"][:2] and len(d3["turns"]) == 3
+    assert d3["turns"][2]["steps"] == [extra(r3, "accounting")]
+
+    # Another system prompt under the same id: another conversation.
+    chat(oai, [sys("[replace] Another system."), user(u1)], max_tokens=1, extra_body={"conversation_id": "oa-replace"})
+    d4 = client.get("/v1/conversations/oa-replace").json()
+    assert d4["system"] == "[replace] Another system." and len(d4["turns"]) == 1
+
+
+def test_stream_with_the_client(oai, rt):
+    system = "[stream] Streaming through the openai client."
+    n = first_prompt_len(rt, system, "Stream please")
+    plain = chat(oai, [sys(system), user("Stream please")], max_tokens=8)
+    chunks = list(chat(oai, [sys(system), user("Stream please")], max_tokens=8, stream=True))
+    assert all(c.object == "chat.completion.chunk" and c.model == "tiny" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    body, last = chunks[:-1], chunks[-1]
+    assert all(c.choices[0].finish_reason is None for c in body)
+    reasoning = "".join(extra(c.choices[0].delta, "reasoning_content") or "" for c in body)
+    content = "".join(c.choices[0].delta.content or "" for c in body)
+    assert reasoning == plain.choices[0].message.reasoning_content and reasoning
+    assert content == plain.choices[0].message.content == ""
+    assert last.choices[0].finish_reason == "length"
+    u = last.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (n, 8, n + 8)
+    assert u.prompt_tokens_details.cached_tokens == (n - 1) // PAGE * PAGE  # the plain request's KV
+
+
+def test_stream_content_deltas(oai, client, rt, monkeypatch):
+    """reasoning_content deltas, then content deltas, then finish_reason and usage.
+    The random model never closes its think block, so the output is forced
+    server-side for this request (not an OpenAI feature)."""
+    system = "[stream-forced] Forced through a wrapper."
+    f = {"reasoning": "First I think about the question.", "content": "Then I answer it, in several tokens."}
+    real = rt.send_message
+
+    def send_message(cid, content, **kw):
+        if cid == "oa-stream-forced":
+            kw["forced"] = f
+        return real(cid, content, **kw)
+
+    monkeypatch.setattr(rt, "send_message", send_message)
+    chunks = list(chat(oai, [sys(system), user("Go")], max_tokens=4, stream=True,
+                       extra_body={"conversation_id": "oa-stream-forced"}))
+    monkeypatch.undo()
+    body, last = chunks[:-1], chunks[-1]
+    kinds = ["r" if extra(c.choices[0].delta, "reasoning_content") else "c" for c in body]
+    assert kinds.count("r") > 1 and kinds.count("c") > 1 and kinds == sorted(kinds, key=lambda k: k != "r")
+    assert "".join(extra(c.choices[0].delta, "reasoning_content") or "" for c in body) == f["reasoning"]
+    assert "".join(c.choices[0].delta.content or "" for c in body) == f["content"]
+    assert last.choices[0].finish_reason == "stop"  # forced maps to stop
+    forced_len = len(rt.template("deepseek").forced_ids(f["reasoning"], f["content"]))
+    assert last.usage.completion_tokens == forced_len
+    assert extra(last, "conversation_id") == "oa-stream-forced"
+    d = client.get("/v1/conversations/oa-stream-forced").json()
+    assert (d["trace"][1]["reasoning"], d["trace"][1]["content"]) == (f["reasoning"], f["content"])
+
+
+def test_errors(oai, client, rt):
+    def status_of(messages, **kw):
+        with pytest.raises(openai.APIStatusError) as e:
+            chat(oai, messages, max_tokens=2, **kw)
+        body = e.value.response.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}
+        return e.value.status_code, body["error"]
+
+    count = len(rt.conversations)
+    assert status_of([sys("only a system prompt")]) == (
+        InvalidRequest.status, {"type": "invalid_request", "message": "messages must hold a user message"})
+    assert status_of([user("a"), {"role": "assistant", "content": "b"}])[0] == InvalidRequest.status
+    assert status_of([{"role": "tool", "content": "x"}, user("a")])[1]["message"] == (
+        "messages[0]: a tool result must follow an assistant tool call")
+    assert status_of([{"role": "robot", "content": "x"}, user("a")])[1]["message"] == (
+        "messages[0].role must be user, assistant or tool (system first)")
+    code, err = status_of([user("word " * 600)])
+    assert (code, err["type"]) == (413, "context_too_long")
+    code, err = status_of([])
+    assert (code, err["type"]) == (422, "validation_error") and err["message"].startswith("body.messages")
+    code, err = status_of([user("a")], extra_body={"max_tokens": -1})
+    assert (code, err["type"]) == (422, "validation_error")
+    assert len(rt.conversations) == count  # throw-away conversations are gone after errors too
+    rt.check_integrity()
+
+    # A streamed request whose step fails: the client raises on the error chunk.
+    with pytest.raises(openai.APIError):
+        list(chat(oai, [user("word " * 600)], max_tokens=2, stream=True))
+    assert len(rt.conversations) == count
+
+
+def test_a_failed_request_with_a_differing_history_changes_nothing(oai, client):
+    system = "[fail-replace] A conversation a failed request must not touch."
+    chat(oai, [sys(system), user("Hello")], max_tokens=2, extra_body={"conversation_id": "oa-fail-replace"})
+    before = client.get("/v1/conversations/oa-fail-replace", params={"tokens": 1}).json()
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(oai, [sys(system), user("Other"), {"role": "assistant", "content": "x"}, user("word " * 600)],
+             max_tokens=2, extra_body={"conversation_id": "oa-fail-replace"})
+    assert e.value.status_code == 413
+    assert client.get("/v1/conversations/oa-fail-replace", params={"tokens": 1}).json() == before
+
+
+def test_a_failed_request_with_another_system_prompt_changes_nothing(oai, client):
+    chat(oai, [sys("[fail-system] Original."), user("Hello")], max_tokens=2,
+         extra_body={"conversation_id": "oa-fail-system"})
+    before = client.get("/v1/conversations/oa-fail-system", params={"tokens": 1}).json()
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(oai, [sys("[fail-system] Another."), user("word " * 600)], max_tokens=2,
+             extra_body={"conversation_id": "oa-fail-system"})
+    assert e.value.status_code == 413
+    assert client.get("/v1/conversations/oa-fail-system", params={"tokens": 1}).json() == before
+
+
+def test_a_failed_request_with_a_new_conversation_id_creates_nothing(oai, client):
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(oai, [user("word " * 600)], max_tokens=2, extra_body={"conversation_id": "oa-fail-new"})
+    assert e.value.status_code == 413
+    error_of(client.get("/v1/conversations/oa-fail-new"), 404, "not_found")
+
+
+def test_max_completion_tokens_zero_is_honoured(oai):
+    r = chat(oai, [sys("[zero] Zero tokens."), user("Hi")], max_tokens=3, extra_body={"max_completion_tokens": 0})
+    assert r.usage.completion_tokens == 0
+
+
+def test_content_parts_in_the_last_user_message(oai):
+    r = chat(oai, [sys("[parts] Content parts."), {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+             max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_content_parts_in_earlier_messages_are_accepted(oai, client):
+    r = chat(oai, [sys("[parts-history] Content parts."), {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                   {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}, user("Again")],
+             max_tokens=2, extra_body={"conversation_id": "oa-parts"})
+    assert r.usage.completion_tokens == 2
+    d = client.get("/v1/conversations/oa-parts").json()
+    assert [t["content"] for t in d["trace"]][:3] == ["Hi", "Hello.", "Again"]
+    assert json.loads(json.dumps(d["history"]))[1]["content"] == "Hello."
