@@ -10,7 +10,7 @@ place a rendering changes is where a closed turn drops its reasoning.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 from session_runtime.tokenizer import Tokenizer
 
@@ -68,6 +68,21 @@ class ParsedOutput:
 
 
 KeepReasoning = Callable[[int], bool]  # turn index -> does that turn keep its reasoning?
+
+
+def message_groups(messages: Sequence[Message]) -> Iterator[tuple[str, list[Message]]]:
+    """(role, messages) in order, one group per user or assistant message and one
+    per run of tool results (they answer one assistant message's calls together)."""
+    i = 0
+    while i < len(messages):
+        role = messages[i].role
+        if role not in ("user", "assistant", "tool"):
+            raise ValueError(f"unknown role {role!r}")
+        j = i + 1
+        while role == "tool" and j < len(messages) and messages[j].role == "tool":
+            j += 1
+        yield role, list(messages[i:j])
+        i = j
 
 
 class Template(Protocol):

@@ -21,6 +21,7 @@ from session_runtime.templates.base import (
     ParsedOutput,
     Rendered,
     ToolCall,
+    message_groups,
     tool_schema,
 )
 from session_runtime.tokenizer import Tokenizer
@@ -108,24 +109,15 @@ class DeepSeekTemplate:
             schemas = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in tools)
             text = (text + "\n\n" if text else "") + _TOOLS_HEADER.replace("{schemas}", schemas)
         out.add("system", self.tok.encode(text) if text else [])
-        i = 0
-        while i < len(messages):
-            msg = messages[i]
-            if msg.role == "user":
-                out.add("user", [self.user, *self.tok.encode(msg.content), self.assistant])
-                self._marker(out, keep(msg.turn))
-                i += 1
-            elif msg.role == "assistant":
-                self._render_assistant(out, msg, keep(msg.turn))
-                i += 1
-            elif msg.role == "tool":
-                j = i
-                while j < len(messages) and messages[j].role == "tool":
-                    j += 1
-                self._render_results(out, messages[i:j], keep(msg.turn))
-                i = j
+        for role, group in message_groups(messages):
+            kept = keep(group[0].turn)
+            if role == "user":
+                out.add("user", [self.user, *self.tok.encode(group[0].content), self.assistant])
+                self._marker(out, kept)
+            elif role == "assistant":
+                self._render_assistant(out, group[0], kept)
             else:
-                raise ValueError(f"unknown role {msg.role!r}")
+                self._render_results(out, group, kept)
         if not generation_prompt and messages and messages[-1].role != "assistant":
             last = out.spans.pop()  # the trailing marker is the generation prompt
             del out.ids[last.start :]

@@ -16,7 +16,15 @@ import json
 import re
 from typing import Optional, Sequence
 
-from session_runtime.templates.base import KeepReasoning, Message, ParsedOutput, Rendered, ToolCall, tool_schema
+from session_runtime.templates.base import (
+    KeepReasoning,
+    Message,
+    ParsedOutput,
+    Rendered,
+    ToolCall,
+    message_groups,
+    tool_schema,
+)
 from session_runtime.tokenizer import Tokenizer
 
 _TOOLS = (
@@ -63,25 +71,15 @@ class Qwen3Template:
             text = (text + "\n\n" if text else "") + _TOOLS.replace("{schemas}", schemas)
         if text:
             out.add("system", [*self._header("system"), *self.tok.encode(text), self.im_end, *self.newline])
-        i = 0
-        while i < len(messages):
-            msg = messages[i]
-            if msg.role == "user":
-                out.add("user", [*self._header("user"), *self.tok.encode(msg.content), self.im_end, *self.newline])
-                i += 1
-            elif msg.role == "assistant":
+        for role, group in message_groups(messages):
+            if role == "user":
+                out.add("user", [*self._header("user"), *self.tok.encode(group[0].content), self.im_end, *self.newline])
+            elif role == "assistant":
                 out.add("generation_prompt", self._header("assistant"))
-                self._render_assistant(out, msg, keep(msg.turn))
-                i += 1
-            elif msg.role == "tool":
-                j = i
-                while j < len(messages) and messages[j].role == "tool":
-                    j += 1
-                body = "".join(f"\n<tool_response>\n{m.content}\n</tool_response>" for m in messages[i:j])
-                out.add("tool_result", [self.im_start, *self.tok.encode("user" + body), self.im_end, *self.newline])
-                i = j
+                self._render_assistant(out, group[0], keep(group[0].turn))
             else:
-                raise ValueError(f"unknown role {msg.role!r}")
+                body = "".join(f"\n<tool_response>\n{m.content}\n</tool_response>" for m in group)
+                out.add("tool_result", [self.im_start, *self.tok.encode("user" + body), self.im_end, *self.newline])
         if generation_prompt and messages and messages[-1].role != "assistant":
             out.add("generation_prompt", self._header("assistant"))
         return out
