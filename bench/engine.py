@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import platform
 import pstats
@@ -31,7 +30,7 @@ from session_runtime.engine import Engine, StepRequest
 from session_runtime.model.weights import build_decoder
 from session_runtime.sampling import SamplingParams
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from report import RESULTS, write_report  # noqa: E402  (bench/ is on sys.path when run)
 VOCAB, EOS = 129280, 1
 TARGET_PCT, TARGET_CTX = 5.0, 8192
 NS = Namespace(extra_key="bench")
@@ -209,9 +208,7 @@ def main() -> None:
         "wall_s": time.perf_counter() - t0,
         "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]},  # other processes skew CPU timings
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / "engine.png")
+    write_report("engine", result, plot)
     print(f"met={result['met']}  wall {result['wall_s']:.1f}s  -> {RESULTS}/engine.json, engine.png")
 
 

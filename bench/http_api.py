@@ -37,7 +37,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 import argparse
-import json
 import os
 import platform
 import socket
@@ -45,7 +44,7 @@ import statistics
 import threading
 import time
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from report import RESULTS, write_report  # noqa: E402  (bench/ is on sys.path when run)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 FORCED = {"reasoning": "Short thought.", "content": "Short answer."}
@@ -360,9 +359,7 @@ def main() -> None:
         "notes": ("client threads and the uvicorn server share one process and its GIL; HTTP numbers include "
                   "the httpx client's cost. Engine time per step = ttft_ms + (output_tokens-1)*tpot_ms."),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "http_api.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / "http_api.png")
+    write_report("http_api", result, plot)
     print(f"wall {result['wall_s']}s -> {RESULTS}/http_api.json, http_api.png", flush=True)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
-import json
 import os
 import random
 import statistics
@@ -28,7 +27,7 @@ import torch
 from session_runtime import PoolExhausted, Runtime, RuntimeConfig
 from session_runtime.offload import OffloadSettings
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from report import RESULTS, write_report  # noqa: E402  (bench/ is on sys.path when run)
 MODES = ("never", "always", "ttl", "pressure", "discard")
 WORDS = "alpha beta gamma delta search file result check value plan".split()  # one DeepSeek token each
 TOOL_MEAN_S, ARRIVAL_MEAN_S, TTL_S, PS = 3.0, 0.5, 2.0, 16
@@ -292,9 +291,7 @@ def main() -> None:
                  "tokens_per_s: workload_tokens (final sequences) per wall second of the policy's events."),
         "policies": policies, "reload_vs_recompute": latency,
         "wall_s": time.perf_counter() - t0, "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "offload.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, RESULTS / "offload.png")
+    write_report("offload", result, plot)
     print(f"targets: {({k: v['met'] for k, v in targets.items()})}  wall {result['wall_s']:.1f}s -> {RESULTS}")
 
 

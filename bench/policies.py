@@ -17,7 +17,6 @@ steps recompute strictly nothing once page-granularity tails are out of the way.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -31,7 +30,7 @@ from session_runtime.runtime import Runtime
 from session_runtime.templates import ToolCall, build_template
 from session_runtime.tokenizer import load_tokenizer
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from report import RESULTS, write_report  # noqa: E402  (bench/ is on sys.path when run)
 WORDS = ("alpha beta gamma delta search file result check value plan step code test data model cache "
          "token query answer error path read write list node tree page time").split()
 TOOLS = [{"name": n, "description": f"{n} over the workspace",
@@ -281,9 +280,7 @@ def main() -> None:
         "targets": targets(res, trace, strict),
         "wall_s": time.perf_counter() - t0, "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "policies.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / "policies.png")
+    write_report("policies", result, plot)
     for p, r in res.items():
         tt = r["totals"]
         print(f"{p:<21} prefill {tt['prefill_tokens']:>7,} (first {tt['first_step_prefill']:>6,} tool {tt['tool_chain_prefill']:>6,} "
