@@ -68,6 +68,7 @@ class _SlotBuffer:
         self.prefix_len = len(prefix)
         self.slots = prefix
         self.owned: list[torch.Tensor] = []
+        self.committed = False  # the tree owns the slots now: a late error must not free them
 
     def ensure(self, total: int) -> None:
         """Make slots cover positions [0, total), allocating whole pages."""
@@ -182,8 +183,9 @@ class Engine(HostTierOps):
             row = self._alloc_row()
             result = self._run(req, prompt, m, buf, row, probe.logical_len, t0, reloaded)
         except BaseException:
-            self.pools.allocator.free(buf.owned_tensor())
-            self.tree.dec_lock_ref(node)
+            if not buf.committed:
+                self.pools.allocator.free(buf.owned_tensor())
+                self.tree.dec_lock_ref(node)
             raise
         finally:
             if row is not None:
@@ -349,6 +351,7 @@ class Engine(HostTierOps):
             self.tree.release_chain(req.owner)
         # Drop the step's own lock on its matched prefix (taken in match_and_lock).
         self.tree.dec_lock_ref(buf.node)
+        buf.committed = True
         return aligned
 
     def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
