@@ -104,6 +104,7 @@ class Engine(HostTierOps):
         # Called with the missing token count when even eviction cannot make
         # room: the offload manager demotes waiting conversations there.
         self.on_pressure: Optional[Callable[[int], None]] = None
+        self._reloaded: dict[str, tuple[int, int]] = {}  # owner -> (anchor, tokens) reloaded for its next step
         self.device = torch.device(config.device)
         self.bytes_per_token = self.pools.spec.bytes_per_token
 
@@ -151,6 +152,9 @@ class Engine(HostTierOps):
         """Run one step for `req.owner`. On success the owner's chain is the new
         sequence; on any error the chain and the pool are as before. Raises
         InvalidRequest, ContextTooLong or PoolExhausted."""
+        # What `reload` brought back for this step; a step that fails below
+        # still consumes it (the reloaded pages simply stay cached).
+        reloaded = self._reloaded.pop(req.owner, None)
         n = len(req.prompt)
         if n == 0:
             raise InvalidRequest("the prompt is empty")
@@ -165,14 +169,14 @@ class Engine(HostTierOps):
         ):
             raise InvalidRequest(f"token id out of the model's vocabulary (0..{vocab - 1})")
         with self.lock:
-            return self._step_locked(req)
+            return self._step_locked(req, reloaded)
 
-    def _step_locked(self, req: StepRequest) -> StepResult:
+    def _step_locked(self, req: StepRequest, reloaded: Optional[tuple[int, int]] = None) -> StepResult:
         t0 = time.perf_counter()
         prompt = list(req.prompt)
         n = len(prompt)
         key = req.namespace.key(prompt)
-        reloaded = self._promote(req.owner, req.namespace, prompt)
+        reloaded = reloaded or self._promote(req.owner, req.namespace, prompt)
         probe = self.tree.probe(key[: n - 1])
         # The last prompt token is always computed: its logits start the output.
         node, prefix_slots = self.tree.match_and_lock(key[: n - 1])

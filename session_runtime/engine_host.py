@@ -16,26 +16,60 @@ from session_runtime.errors import PoolExhausted
 
 
 class HostTierOps:
+    def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
+        """Bring the owner's offloaded tail back before its next step. The copy
+        runs outside the engine lock, overlapping other conversations' steps;
+        the step that follows counts the tokens as host_loaded. An entry the
+        prompt does not continue is dropped (recomputed). Raises PoolExhausted,
+        keeping the entry."""
+        with self.lock:
+            entry = self._take_entry(owner, prompt)
+            if entry is None:
+                return
+            try:
+                slots = self.alloc(len(entry.tokens))
+            except PoolExhausted:
+                self.host.entries[owner] = entry  # a failed request changes nothing
+                raise
+        t = time.perf_counter()
+        self.pools.allocator.load_cpu_copy(entry.kv, slots)
+        self._sync()
+        with self.lock:
+            self._reloaded[owner] = self._restore(owner, namespace, prompt, entry, slots, t)
+
     def _promote(self, owner: str, namespace: Namespace, prompt: list[int]) -> tuple[int, int]:
-        """Reload the owner's offloaded tail if the prompt continues it. Returns
-        (anchor depth, reloaded tokens). An entry the prompt does not continue
-        is dropped (its tokens get recomputed). Raises PoolExhausted, keeping
-        the entry."""
-        entry = self.host.take(owner)
+        """Inside a step (engine lock held): reload now. Returns (anchor depth,
+        reloaded tokens)."""
+        entry = self._take_entry(owner, prompt)
         if entry is None:
             return 0, 0
-        start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
-        if self.tree.chain_tokens(owner) != start or prompt[start:end] != list(entry.tokens):
-            self.host.stats.lost_tokens += len(entry.tokens)
-            return 0, 0
-        t = time.perf_counter()
         try:
             slots = self.alloc(len(entry.tokens))
         except PoolExhausted:
-            self.host.entries[owner] = entry  # a failed request changes nothing
+            self.host.entries[owner] = entry
             raise
+        t = time.perf_counter()
         self.pools.allocator.load_cpu_copy(entry.kv, slots)
         self._sync()
+        return self._restore(owner, namespace, prompt, entry, slots, t)
+
+    def _take_entry(self, owner: str, prompt: list[int]) -> Optional[HostEntry]:
+        entry = self.host.take(owner)
+        if entry is None:
+            return None
+        start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
+        if self.tree.chain_tokens(owner) != start or prompt[start:end] != list(entry.tokens):
+            self.host.stats.lost_tokens += len(entry.tokens)
+            return None
+        return entry
+
+    def _restore(self, owner, namespace: Namespace, prompt: list[int], entry: HostEntry, slots,
+                 t: float) -> tuple[int, int]:
+        start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
+        if self.tree.chain_tokens(owner) != start:  # the chain moved meanwhile: the copy is stale
+            self.pools.allocator.free(slots)
+            self.host.stats.lost_tokens += len(entry.tokens)
+            return 0, 0
         prefix_len = self.tree.restore_tail(owner, namespace.key(prompt[:end]), slots)
         if prefix_len > start:  # someone cached the same tokens meanwhile
             self.pools.allocator.free(slots[: prefix_len - start])

@@ -311,6 +311,7 @@ class Runtime(RuntimeInspection):
             rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
             history_len = len(tpl.render(conv.system, conv.tools, conv.history, keep, False).ids) if conv.history else 0
             counterfactual = self._counterfactual(conv, tpl, ns, new) if first else None
+            self.engine.reload(conv.id, ns, rendered.ids)  # host tier -> device, outside the engine lock
             result = self.engine.step(
                 StepRequest(
                     owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,
