@@ -30,6 +30,10 @@ class HostEntry:
     tokens: array
     kv: object  # SGLang CPU copy: per layer, per chunk, [k, v]
     nbytes: int
+    prefix: array = field(default_factory=lambda: array("q"))  # the anchor path's tokens
+    # Write-through: after a reload the copy stays, so the tail is on the device
+    # and the host ("both") and a later demotion copies only what was added.
+    on_device: bool = False
     node_id: int = 0  # stable negative id in tree snapshots, set by HostTier.put
 
 
@@ -62,22 +66,25 @@ class HostTier:
     def fits(self, tokens: int) -> bool:
         return tokens <= self.capacity_tokens
 
-    def put(self, entry: HostEntry, copy_ms: float) -> list[str]:
-        """Store `entry`, dropping the oldest entries for room. Returns the owners
-        whose KV was lost (they will recompute). Requires fits(len(entry.tokens))."""
+    def put(self, entry: HostEntry, copy_ms: float, copied_tokens: Optional[int] = None) -> list[str]:
+        """Store `entry` (replacing the owner's previous one), dropping the oldest
+        entries for room. Returns the owners whose KV was lost (they will
+        recompute). Requires fits(len(entry.tokens))."""
         assert self.fits(len(entry.tokens)), "entry larger than the host tier"
         lost = []
         with self.lock:
             self.entries.pop(entry.owner, None)
             while self.used_tokens + len(entry.tokens) > self.capacity_tokens:
                 owner, old = self.entries.popitem(last=False)
-                self.stats.lost_tokens += len(old.tokens)
-                lost.append(owner)
+                if not old.on_device:  # a write-through copy is not the only one
+                    self.stats.lost_tokens += len(old.tokens)
+                    lost.append(owner)
             self._stored += 1
             entry.node_id = -self._stored
             self.entries[entry.owner] = entry
-            self.stats.demoted_tokens += len(entry.tokens)
-            self.stats.demoted_bytes += entry.nbytes
+            copied = len(entry.tokens) if copied_tokens is None else copied_tokens
+            self.stats.demoted_tokens += copied
+            self.stats.demoted_bytes += entry.nbytes * copied // max(len(entry.tokens), 1)
             self.stats.demote_ms += copy_ms
         return lost
 
@@ -102,3 +109,16 @@ class HostTier:
 
 def timed_ms(start: float) -> float:
     return (time.perf_counter() - start) * 1e3
+
+
+def concat_copies(a: list, b: list, chunk: int) -> list:
+    """Join two SGLang CPU copies (per layer, per chunk of `chunk` tokens, [k, v])
+    into one with the same chunking, as `load_cpu_copy` expects."""
+    import torch
+
+    out = []
+    for la, lb in zip(a, b):
+        k = torch.cat([c[0] for c in la] + [c[0] for c in lb])
+        v = torch.cat([c[1] for c in la] + [c[1] for c in lb])
+        out.append([[k[i : i + chunk], v[i : i + chunk]] for i in range(0, len(k), chunk)])
+    return out

@@ -122,6 +122,17 @@ class SessionRadixCache(RadixCache):
         self.set_chain(owner, node)
         return _depth(node)
 
+    def path_tokens(self, node: TreeNode) -> array:
+        """Token ids from the root to the end of `node`."""
+        parts = []
+        while node is not self.root_node:
+            parts.append(node.key.token_ids)
+            node = node.parent
+        out = array("q")
+        for part in reversed(parts):
+            out.extend(part)
+        return out
+
     def chain_tokens(self, owner: str) -> int:
         node = self.chains.get(owner)
         return 0 if node is None else _depth(node)
@@ -257,8 +268,10 @@ class SessionRadixCache(RadixCache):
         preview: Callable[[Sequence[int]], str] = lambda ids: " ".join(map(str, ids)),
         owner: Optional[str] = None,
         preview_tokens: int = 16,
+        both: frozenset = frozenset(),
     ) -> list[NodeInfo]:
-        """Every node (or only `owner`'s chain), parents before children. Read-only."""
+        """Every node (or only `owner`'s chain), parents before children. Nodes
+        in `both` also have a host copy. Read-only."""
         owners = self.owners_by_node()
         now = time.monotonic()
         out = []
@@ -277,7 +290,7 @@ class SessionRadixCache(RadixCache):
                     hit_count=node.hit_count,
                     lock_count=node.lock_ref,
                     last_access_age_s=round(now - node.last_access_time, 3),
-                    residency="evicted" if node.evicted else "device",
+                    residency="evicted" if node.evicted else ("both" if node.id in both else "device"),
                     owners=who,
                     namespace=node.key.extra_key,
                 )

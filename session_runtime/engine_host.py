@@ -10,9 +10,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Sequence
 
-from radix_ext.host_tier import HostEntry, timed_ms
-from radix_ext.tree import Namespace, NodeInfo
-from session_runtime.errors import PoolExhausted
+from radix_ext.host_tier import HostEntry, concat_copies, timed_ms
+from radix_ext.tree import Namespace, NodeInfo, TailPlan
 
 
 class HostTierOps:
@@ -23,14 +22,10 @@ class HostTierOps:
         prompt does not continue is dropped (recomputed). Raises PoolExhausted,
         keeping the entry."""
         with self.lock:
-            entry = self._take_entry(owner, prompt)
+            entry = self._reloadable(owner, prompt)
             if entry is None:
                 return
-            try:
-                slots = self.alloc(len(entry.tokens))
-            except PoolExhausted:
-                self.host.entries[owner] = entry  # a failed request changes nothing
-                raise
+            slots = self.alloc(len(entry.tokens))  # PoolExhausted leaves the entry where it was
         t = time.perf_counter()
         self.pools.allocator.load_cpu_copy(entry.kv, slots)
         self._sync()
@@ -40,25 +35,23 @@ class HostTierOps:
     def _promote(self, owner: str, namespace: Namespace, prompt: list[int]) -> tuple[int, int]:
         """Inside a step (engine lock held): reload now. Returns (anchor depth,
         reloaded tokens)."""
-        entry = self._take_entry(owner, prompt)
+        entry = self._reloadable(owner, prompt)
         if entry is None:
             return 0, 0
-        try:
-            slots = self.alloc(len(entry.tokens))
-        except PoolExhausted:
-            self.host.entries[owner] = entry
-            raise
+        slots = self.alloc(len(entry.tokens))
         t = time.perf_counter()
         self.pools.allocator.load_cpu_copy(entry.kv, slots)
         self._sync()
         return self._restore(owner, namespace, prompt, entry, slots, t)
 
-    def _take_entry(self, owner: str, prompt: list[int]) -> Optional[HostEntry]:
-        entry = self.host.take(owner)
-        if entry is None:
+    def _reloadable(self, owner: str, prompt: list[int]) -> Optional[HostEntry]:
+        """The owner's host-only entry if the prompt continues it; a stale one is dropped."""
+        entry = self.host.peek(owner)
+        if entry is None or entry.on_device:
             return None
         start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
         if self.tree.chain_tokens(owner) != start or prompt[start:end] != list(entry.tokens):
+            self.host.take(owner)
             self.host.stats.lost_tokens += len(entry.tokens)
             return None
         return entry
@@ -66,29 +59,31 @@ class HostTierOps:
     def _restore(self, owner, namespace: Namespace, prompt: list[int], entry: HostEntry, slots,
                  t: float) -> tuple[int, int]:
         start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
-        if self.tree.chain_tokens(owner) != start:  # the chain moved meanwhile: the copy is stale
-            self.pools.allocator.free(slots)
-            self.host.stats.lost_tokens += len(entry.tokens)
+        if self.tree.chain_tokens(owner) != start or self.host.peek(owner) is not entry:
+            self.pools.allocator.free(slots)  # the chain or the entry changed meanwhile: stale
             return 0, 0
         prefix_len = self.tree.restore_tail(owner, namespace.key(prompt[:end]), slots)
         if prefix_len > start:  # someone cached the same tokens meanwhile
             self.pools.allocator.free(slots[: prefix_len - start])
         self.host.record_promote(entry, timed_ms(t))
+        entry.on_device = True  # write-through: the host copy stays until it is reused or dropped
         return start, len(entry.tokens)
 
     def demote(self, owner: str) -> int:
         """Copy the owner's exclusive chain tail to the host and free its device
         pages. The copy runs outside the engine lock (the chain's lock keeps the
         pages alive and cached KV is never rewritten); a step of the same owner
-        in between makes it a no-op. Returns the tokens demoted."""
+        in between makes it a no-op. A write-through copy of the tail's head is
+        reused: only the tokens added since are copied. Returns the tokens
+        moved off the device."""
         with self.lock:
-            plan = self.tree.plan_demote(owner)
-            if plan is None or not self.host.fits(len(plan.tokens)):
+            plan, reuse = self._plan(owner)
+            if plan is None:
                 return 0
         t = time.perf_counter()
-        kv = self.pools.allocator.get_cpu_copy(plan.slots)
+        kv = self._copy_out(plan, reuse)
         with self.lock:
-            return self._finish_demote(plan, kv, t)
+            return self._finish_demote(plan, reuse, kv, t)
 
     def discard(self, owner: str) -> int:
         """Free the owner's exclusive chain tail without a host copy: the next step
@@ -104,26 +99,75 @@ class HostTierOps:
     def demote_locked(self, owner: str) -> int:
         """`demote` with the copy under the lock (called from inside a step)."""
         with self.lock:
-            plan = self.tree.plan_demote(owner)
-            if plan is None or not self.host.fits(len(plan.tokens)):
+            plan, reuse = self._plan(owner)
+            if plan is None:
                 return 0
             t = time.perf_counter()
-            return self._finish_demote(plan, self.pools.allocator.get_cpu_copy(plan.slots), t)
+            return self._finish_demote(plan, reuse, self._copy_out(plan, reuse), t)
 
-    def _finish_demote(self, plan, kv, t: float) -> int:
-        if not self.tree.plan_still_valid(plan):
+    def _plan(self, owner: str) -> tuple[Optional[TailPlan], Optional[HostEntry]]:
+        plan = self.tree.plan_demote(owner)
+        if plan is None or not self.host.fits(len(plan.tokens)):
+            return None, None
+        old = self.host.peek(owner)
+        n = len(old.tokens) if old is not None else 0
+        reuse = old if (
+            old is not None and old.on_device and n <= len(plan.tokens)
+            and old.anchor_tokens == self.tree.chain_tokens(owner) - len(plan.tokens)
+            and plan.tokens[:n] == old.tokens and self.tree.path_tokens(plan.anchor) == old.prefix
+        ) else None
+        return plan, reuse
+
+    def _copy_out(self, plan: TailPlan, reuse: Optional[HostEntry]):
+        done = len(reuse.tokens) if reuse is not None else 0
+        return self.pools.allocator.get_cpu_copy(plan.slots[done:]) if done < len(plan.slots) else None
+
+    def _finish_demote(self, plan: TailPlan, reuse: Optional[HostEntry], kv, t: float) -> int:
+        if not self.tree.plan_still_valid(plan) or (reuse is not None and self.host.peek(plan.owner) is not reuse):
             return 0
+        copied = len(plan.tokens) - (len(reuse.tokens) if reuse is not None else 0)
+        if reuse is not None and kv is not None:
+            kv = concat_copies(reuse.kv, kv, self.pools.kv.cpu_offloading_chunk_size)
+        elif reuse is not None:
+            kv = reuse.kv
         anchor_depth = self.tree.chain_tokens(plan.owner) - len(plan.tokens)
         entry = HostEntry(plan.owner, anchor_depth, plan.anchor.id, plan.tokens, kv,
-                          len(plan.tokens) * self.bytes_per_token)
-        self.host.put(entry, timed_ms(t))
+                          len(plan.tokens) * self.bytes_per_token, prefix=self.tree.path_tokens(plan.anchor))
+        self.host.put(entry, timed_ms(t), copied_tokens=copied)
         self.tree.drop_tail(plan)
         return len(plan.tokens)
+
+    def drop_host_copy(self, owner: str) -> None:
+        """Forget a write-through copy the owner will not need (its turn closed)."""
+        entry = self.host.peek(owner)
+        if entry is not None and entry.on_device:
+            self.host.take(owner)
+
+    def both_nodes(self) -> frozenset:
+        """Ids of device nodes that also have a host copy (residency "both")."""
+        out = set()
+        with self.host.lock:
+            entries = [e for e in self.host.entries.values() if e.on_device]
+        for e in entries:
+            node = self.tree.chains.get(e.owner)
+            end = e.anchor_tokens + len(e.tokens)
+            if node is None:
+                continue
+            path = self.tree.path_tokens(node)
+            if path[: e.anchor_tokens] != e.prefix or path[e.anchor_tokens : end] != e.tokens:
+                continue
+            depth = len(path)
+            while node is not self.tree.root_node and depth > e.anchor_tokens:
+                if depth <= end:
+                    out.add(node.id)
+                depth -= len(node.key)
+                node = node.parent
+        return frozenset(out)
 
     def host_nodes(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
         """Offloaded tails as snapshot nodes (residency "host"), hanging from their anchors."""
         with self.host.lock:
-            entries = list(self.host.entries.values())
+            entries = [e for e in self.host.entries.values() if not e.on_device]
         return [
             NodeInfo(id=e.node_id, parent=e.anchor_node_id if e.anchor_tokens else None, tokens=len(e.tokens),
                      depth_tokens=e.anchor_tokens + len(e.tokens), preview=preview(list(e.tokens[:16])),

@@ -43,7 +43,8 @@ class RuntimeInspection:
         if conversation is not None:
             self.get(conversation)
         with self.engine.lock:
-            return (self.engine.tree.snapshot(preview=self.tokenizer.decode, owner=conversation)
+            return (self.engine.tree.snapshot(preview=self.tokenizer.decode, owner=conversation,
+                                              both=self.engine.both_nodes())
                     + self.engine.host_nodes(self.tokenizer.decode, owner=conversation))
 
     def chains(self) -> dict[str, int]:

@@ -381,6 +381,7 @@ class Runtime(RuntimeInspection):
         history, find the fork, hold the chain at the fork and maybe schedule the
         canonical branch. Returns the step's accounting with the real next context."""
         record.closed = True
+        self.engine.drop_host_copy(conv.id)  # the tool chain's copy will not be reloaded
         keep = conv.policy.kept_turns(conv.closed_turns)
         conv.history = [
             tpl.strip_reasoning(m)

@@ -40,7 +40,7 @@ PAGE = """<!doctype html>
   .node.locked { background: #fff8e1; border-color: #e0a800; border-left-color: var(--res);
                  box-shadow: 0 0 0 1px #e0a800; }
   .node.res-evicted { opacity: .6; border-style: dashed; }
-  .res-device { --res: #2e7d32; } .res-host { --res: #1565c0; } .res-evicted { --res: #9e9e9e; }
+  .res-device { --res: #2e7d32; } .res-host { --res: #1565c0; } .res-both { --res: #00897b; } .res-evicted { --res: #9e9e9e; }
   .res-other { --res: #7b1fa2; }
   .row > span { margin-right: 8px; white-space: nowrap; }
   .nid { color: #888; font-family: ui-monospace, monospace; }
@@ -68,6 +68,7 @@ PAGE = """<!doctype html>
   <div id="legend">
     <span><i class="sw res-device" style="background:var(--res)"></i>device</span>
     <span><i class="sw res-host" style="background:var(--res)"></i>host</span>
+    <span><i class="sw res-both" style="background:var(--res)"></i>both (device + host copy)</span>
     <span><i class="sw res-evicted" style="background:var(--res)"></i>evicted</span>
     <span><i class="sw" style="background:#fff8e1;border:1px solid #e0a800"></i>locked (held by a chain)</span>
     <span><span class="fork-mark">fork</span> several children</span>
@@ -96,7 +97,7 @@ function ownerColor(id) {
 }
 
 function nodeBox(n, nChildren) {
-  const res = ["device", "host", "evicted"].includes(n.residency) ? n.residency : "other";
+  const res = ["device", "host", "both", "evicted"].includes(n.residency) ? n.residency : "other";
   const box = el("div", "node res-" + res);
   box.id = "node-" + n.id;
   box.dataset.id = n.id;

@@ -211,3 +211,31 @@ def test_any_interleaving_keeps_integrity():
             max_examples=12, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)))
     finally:
         machine_rt.close()
+
+
+def test_write_through_copy_is_reused(rt):
+    """After a reload the host copy stays ("both"); the next demotion of the same
+    chain copies only the tokens added since, and still reloads bit-identically."""
+    cid, step = tool_step(rt, "write-through")
+    eng = rt.engine
+    assert rt.offload.run_due() == 144
+    copied = eng.host.stats.demoted_tokens
+    step2 = rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
+                                 forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
+    assert step2.accounting.host_loaded_tokens == 144
+    residency = {n.residency for n in rt.tree_snapshot(cid)}
+    assert residency == {"both", "device"}
+    chain = eng.tree.chain_tokens(cid)
+    original = pool_kv(rt, eng.tree.chain_slots(cid))
+    assert rt.offload.run_due() == chain
+    assert eng.host.stats.demoted_tokens - copied == chain - 144  # only the new pages were copied
+    rt.check_integrity()
+    step3 = rt.send_tool_results(cid, [{"tool_call_id": step2.tool_calls[0]["id"], "content": "ok"}],
+                                 forced={"tool_calls": [{"name": "f", "arguments": {"x": 3}}]})
+    assert step3.accounting.host_loaded_tokens == chain
+    reloaded = pool_kv(rt, eng.tree.chain_slots(cid)[:chain])
+    for (k0, v0), (k1, v1) in zip(original, reloaded):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    rt.delete_conversation(cid)
+    assert eng.host.peek(cid) is None
+    rt.check_integrity()
