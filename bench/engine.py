@@ -45,7 +45,7 @@ def token_source(seed: int) -> Tokens:
 
 
 def build_engine(args, max_ctx: int) -> Engine:
-    cfg = RuntimeConfig(model=args.model, device=args.device, page_size=16,
+    cfg = RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, page_size=16,
                         max_context=max_ctx + 4096, pool_tokens=max_ctx + 16384)
     return Engine(cfg, build_decoder(cfg.model, cfg.seed, cfg.torch_dtype, cfg.device))
 
@@ -177,6 +177,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--contexts", default="1024,8192,32768", help="comma-separated context sizes, in tokens")
     ap.add_argument("--steps", type=int, default=5, help="timed agent steps per context")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of the speed test")
@@ -184,6 +186,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     contexts = sorted(int(c) for c in args.contexts.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,7 +201,7 @@ def main() -> None:
     eng.check_integrity()
     at_target = next((r for r in rows if r["context"] == TARGET_CTX), None)
     result = {
-        "device": args.device, "model": args.model,
+        "device": args.device, "model": args.model, "dtype": args.dtype,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "host": platform.processor() or platform.machine(),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "config": {k: getattr(eng.config, k) for k in ("page_size", "pool_tokens", "max_context", "prefill_chunk", "dtype")},

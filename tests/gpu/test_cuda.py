@@ -1,0 +1,82 @@
+"""GPU checks: the qwen3-0.6b shape in bf16 on CUDA against transformers, and the
+host round trip on CUDA. Skipped where there is no GPU (CI, this project's CPU
+machines); `bench/gpu.sh` runs them on a lent GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from session_runtime.config import PRESETS
+    from session_runtime.model.decoder import Decoder
+
+    cfg = PRESETS["qwen3-0.6b"]
+    hf_cfg = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta,
+                         rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(hf_cfg).to("cuda", torch.bfloat16).eval()
+    ours = Decoder(cfg)
+    ours.load_state_dict(hf.state_dict())
+    return hf, ours.to("cuda", torch.bfloat16).eval()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def test_bf16_oracle_cold_prefix_and_decode(pair):
+    from radix_ext.tree import Namespace
+    from session_runtime.config import RuntimeConfig
+    from session_runtime.engine import Engine, StepRequest
+    from session_runtime.sampling import SamplingParams
+
+    hf, ours = pair
+    eng = Engine(RuntimeConfig(device="cuda", dtype="bfloat16", page_size=16, pool_tokens=16384,
+                               max_context=8192), ours)
+    ids = torch.randint(0, 150000, (1000,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids], device="cuda")).logits[0]
+    ns = Namespace("gpu")
+    cold = eng.step(StepRequest(owner="a", prompt=ids[:700], namespace=ns, forced=[], return_logits=True))
+    assert rel(cold.logits, ref[:700]) < 3e-2
+    warm = eng.step(StepRequest(owner="a", prompt=ids, namespace=ns, forced=[], return_logits=True))
+    assert warm.accounting.cached_input_tokens == 688  # 700 rounded down to pages of 16
+    assert rel(warm.logits, ref[688:]) < 3e-2
+    dec = eng.step(StepRequest(owner="b", prompt=ids[:500], namespace=Namespace("gpu-dec"),
+                               sampling=SamplingParams(max_tokens=8), return_logits=True))
+    seq = ids[:500] + dec.output[:-1]
+    with torch.no_grad():
+        ref_dec = hf(torch.tensor([seq], device="cuda")).logits[0]
+    assert rel(dec.logits[-7:], ref_dec[-7:]) < 3e-2
+    eng.check_integrity()
+
+
+def test_host_round_trip_on_cuda_is_bit_identical():
+    from session_runtime import Runtime, RuntimeConfig
+
+    rt = Runtime(RuntimeConfig(device="cuda", dtype="bfloat16", pool_tokens=8192), background=False)
+    try:
+        cid = rt.create_conversation(system=" alpha" * 200, offload="always")
+        step = rt.send_message(cid, "go", forced={"reasoning": " alpha" * 100, "tool_calls": [{"name": "f", "arguments": {}}]})
+        slots = rt.engine.tree.chain_slots(cid)
+        kv = rt.engine.pools.kv
+        before = [kv.k_buffer[i][slots].clone() for i in range(len(kv.k_buffer))]
+        assert rt.offload.run_due() == len(slots)
+        nxt = rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
+                                   forced={"tool_calls": [{"name": "f", "arguments": {"x": 1}}]})
+        assert nxt.accounting.host_loaded_tokens == len(slots)
+        after_slots = rt.engine.tree.chain_slots(cid)[: len(slots)]
+        for i, k in enumerate(before):
+            assert torch.equal(k, kv.k_buffer[i][after_slots])
+        rt.check_integrity()
+    finally:
+        rt.close()
