@@ -3,12 +3,17 @@
 from session_runtime.config import RuntimeConfig
 from session_runtime.errors import (
     ContextTooLong,
+    ConversationBusy,
     ConversationNotFound,
     InvalidRequest,
     PoolExhausted,
+    ToolCallConflict,
 )
 
-__all__ = ["Runtime", "RuntimeConfig", "ConversationNotFound", "InvalidRequest", "ContextTooLong", "PoolExhausted"]
+__all__ = [
+    "Runtime", "RuntimeConfig", "ConversationNotFound", "InvalidRequest", "ContextTooLong", "PoolExhausted",
+    "ConversationBusy", "ToolCallConflict",
+]
 
 
 def __getattr__(name: str):

@@ -63,7 +63,8 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"session-runtime: {exc}", file=sys.stderr)
         return 2
-    print(f"session-runtime: loading {config.model} on {config.device} ...", flush=True)
+    print(f"session-runtime: loading {config.model} on {config.device} (importing SGLang takes 6-20 s), "
+          f"then serving http://{args.host}:{args.port}", flush=True)
     from session_runtime.api.app import create_app
     from session_runtime.errors import InvalidRequest
     from session_runtime.runtime import Runtime
