@@ -58,10 +58,11 @@ class HostTier:
     stats: TransferStats = field(default_factory=TransferStats)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _stored: int = 0
+    _used: int = 0  # tokens held, kept with the entries (readable without the lock)
 
     @property
     def used_tokens(self) -> int:
-        return sum(len(e.tokens) for e in self.entries.values())
+        return self._used
 
     def fits(self, tokens: int) -> bool:
         return tokens <= self.capacity_tokens
@@ -73,12 +74,16 @@ class HostTier:
         assert self.fits(len(entry.tokens)), "entry larger than the host tier"
         lost = []
         with self.lock:
-            self.entries.pop(entry.owner, None)
-            while self.used_tokens + len(entry.tokens) > self.capacity_tokens:
+            replaced = self.entries.pop(entry.owner, None)
+            if replaced is not None:
+                self._used -= len(replaced.tokens)
+            while self._used + len(entry.tokens) > self.capacity_tokens:
                 owner, old = self.entries.popitem(last=False)
+                self._used -= len(old.tokens)
                 if not old.on_device:  # a write-through copy is not the only one
                     self.stats.lost_tokens += len(old.tokens)
                     lost.append(owner)
+            self._used += len(entry.tokens)
             self._stored += 1
             entry.node_id = -self._stored
             self.entries[entry.owner] = entry
@@ -90,7 +95,10 @@ class HostTier:
 
     def take(self, owner: str) -> Optional[HostEntry]:
         with self.lock:
-            return self.entries.pop(owner, None)
+            entry = self.entries.pop(owner, None)
+            if entry is not None:
+                self._used -= len(entry.tokens)
+            return entry
 
     def peek(self, owner: str) -> Optional[HostEntry]:
         with self.lock:

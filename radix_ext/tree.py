@@ -169,15 +169,18 @@ class SessionRadixCache(RadixCache):
         last = len(plan.nodes) - 1
         for i, n in enumerate(plan.nodes):
             attached = n.parent is not None and n.parent.children.get(n.key.child_key(self.page_size)) is n
-            if not attached or n.lock_ref != 1 or len(n.children) != (0 if i == last else 1):
+            # A split inside the tail puts a new node between two planned ones.
+            linked = i == 0 or n.parent is plan.nodes[i - 1]
+            if not attached or not linked or n.lock_ref != 1 or len(n.children) != (0 if i == last else 1):
                 return False
-        return True
+        return sum(len(n.key) for n in plan.nodes) == len(plan.tokens)
 
     def drop_tail(self, plan: TailPlan) -> None:
         """Move the chain to the anchor and delete the tail, freeing its device
         pages (their KV now lives on the host). Requires plan_still_valid(plan)."""
         self.set_chain(plan.owner, plan.anchor)
         for node in reversed(plan.nodes):
+            assert not node.children, f"node {node.id} of a demoted tail is not a leaf"
             self.token_to_kv_pool_allocator.free(node.value)
             self._delete_leaf(node)
             self.kv_events.record_remove(node)

@@ -30,7 +30,9 @@ class HostTierOps:
         self.pools.allocator.load_cpu_copy(entry.kv, slots)
         self._sync()
         with self.lock:
-            self._reloaded[owner] = self._restore(owner, namespace, prompt, entry, slots, t)
+            done = self._restore(owner, namespace, prompt, entry, slots, t)
+            if done is not None:
+                self._reloaded[owner] = done
 
     def _promote(self, owner: str, namespace: Namespace, prompt: list[int]) -> tuple[int, int]:
         """Inside a step (engine lock held): reload now. Returns (anchor depth,
@@ -42,7 +44,7 @@ class HostTierOps:
         t = time.perf_counter()
         self.pools.allocator.load_cpu_copy(entry.kv, slots)
         self._sync()
-        return self._restore(owner, namespace, prompt, entry, slots, t)
+        return self._restore(owner, namespace, prompt, entry, slots, t) or (0, 0)
 
     def _reloadable(self, owner: str, prompt: list[int]) -> Optional[HostEntry]:
         """The owner's host-only entry if the prompt continues it; a stale one is dropped."""
@@ -57,59 +59,72 @@ class HostTierOps:
         return entry
 
     def _restore(self, owner, namespace: Namespace, prompt: list[int], entry: HostEntry, slots,
-                 t: float) -> tuple[int, int]:
+                 t: float) -> Optional[tuple[int, int]]:
+        """Insert reloaded slots under the chain. Returns (first reloaded position,
+        tokens the device did not already hold), or None when the copy went stale."""
         start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
         if self.tree.chain_tokens(owner) != start or self.host.peek(owner) is not entry:
             self.pools.allocator.free(slots)  # the chain or the entry changed meanwhile: stale
-            return 0, 0
+            if self.host.peek(owner) is entry:
+                self.host.take(owner)
+                self.host.stats.lost_tokens += len(entry.tokens)
+            return None
         prefix_len = self.tree.restore_tail(owner, namespace.key(prompt[:end]), slots)
         if prefix_len > start:  # someone cached the same tokens meanwhile
             self.pools.allocator.free(slots[: prefix_len - start])
         self.host.record_promote(entry, timed_ms(t))
         entry.on_device = True  # write-through: the host copy stays until it is reused or dropped
-        return start, len(entry.tokens)
+        # Tokens another chain had cached meanwhile came from the device, not the host.
+        first = max(start, prefix_len)
+        return first, end - first
 
-    def demote(self, owner: str) -> int:
+    def demote(self, owner: str, still_waiting: Callable[[], bool] = lambda: True) -> int:
         """Copy the owner's exclusive chain tail to the host and free its device
         pages. The copy runs outside the engine lock (the chain's lock keeps the
         pages alive and cached KV is never rewritten); a step of the same owner
         in between makes it a no-op. A write-through copy of the tail's head is
-        reused: only the tokens added since are copied. Returns the tokens
-        moved off the device."""
+        reused: only the tokens added since are copied. `still_waiting` is
+        checked under the lock before planning and before finishing: a wait that
+        ended meanwhile (its step started, or the conversation was deleted)
+        cancels the demotion. Returns the tokens moved off the device."""
         with self.lock:
-            plan, reuse = self._plan(owner)
+            plan, reuse = self._plan(owner) if still_waiting() else (None, None)
             if plan is None:
                 return 0
         t = time.perf_counter()
         kv = self._copy_out(plan, reuse)
         with self.lock:
+            if not still_waiting():
+                return 0
             return self._finish_demote(plan, reuse, kv, t)
 
-    def discard(self, owner: str) -> int:
+    def discard(self, owner: str, still_waiting: Callable[[], bool] = lambda: True) -> int:
         """Free the owner's exclusive chain tail without a host copy: the next step
         recomputes it (InferCept's "discard", a baseline). Returns tokens freed."""
         with self.lock:
-            plan = self.tree.plan_demote(owner)
+            plan = self.tree.plan_demote(owner) if still_waiting() else None
             if plan is None:
                 return 0
             self.tree.drop_tail(plan)
             self.host.stats.lost_tokens += len(plan.tokens)
             return len(plan.tokens)
 
-    def demote_locked(self, owner: str) -> int:
+    def demote_locked(self, owner: str, still_waiting: Callable[[], bool] = lambda: True) -> int:
         """`demote` with the copy under the lock (called from inside a step)."""
         with self.lock:
-            plan, reuse = self._plan(owner)
+            plan, reuse = self._plan(owner) if still_waiting() else (None, None)
             if plan is None:
                 return 0
             t = time.perf_counter()
             return self._finish_demote(plan, reuse, self._copy_out(plan, reuse), t)
 
     def _plan(self, owner: str) -> tuple[Optional[TailPlan], Optional[HostEntry]]:
+        old = self.host.peek(owner)
+        if old is not None and not old.on_device:
+            return None, None  # already on the host: a second copy would replace the first
         plan = self.tree.plan_demote(owner)
         if plan is None or not self.host.fits(len(plan.tokens)):
             return None, None
-        old = self.host.peek(owner)
         n = len(old.tokens) if old is not None else 0
         reuse = old if (
             old is not None and old.on_device and n <= len(plan.tokens)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from session_runtime.engine import Engine
 from session_runtime.errors import InvalidRequest
@@ -65,7 +65,8 @@ class OffloadManager:
     def forget(self, owner: str) -> None:
         """The conversation is gone: drop its host copy too."""
         self.wait_ended(owner)
-        self.engine.host.take(owner)
+        with self.engine.lock:  # after any demotion that passed its guard has finished
+            self.engine.host.take(owner)
 
     def free_fraction(self) -> float:
         """Device pages free or reclaimable (unlocked cache) over the pool."""
@@ -96,7 +97,11 @@ class OffloadManager:
             mode = entry[1].mode
             if mode == "pressure" and self.free_fraction() >= entry[1].min_free_fraction:
                 continue
-            moved = self.engine.discard(owner) if mode == "discard" else self.engine.demote(owner)
+            guard = self._guard(owner, entry[0])
+            if mode == "discard":
+                moved = self.engine.discard(owner, guard)
+            else:
+                moved = self.engine.demote(owner, guard)
             total += moved
             if moved or self.engine.tree.plan_demote(owner) is None:
                 self.wait_ended(owner)  # nothing (more) to move for this wait
@@ -108,13 +113,23 @@ class OffloadManager:
         with self.cond:
             order = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
         freed = 0
-        for owner, _ in order:
+        for owner, (since, _) in order:
             if freed >= missing:
                 break
-            moved = self.engine.demote_locked(owner)
+            moved = self.engine.demote_locked(owner, self._guard(owner, since))
             if moved:
                 freed += moved
                 self.wait_ended(owner)
+
+    def _guard(self, owner: str, since: float) -> Callable[[], bool]:
+        """True while the same tool wait of `owner` is still on: a step that
+        started or a delete ends it, and a demotion checks this under the engine
+        lock before it plans and before it finishes."""
+        def still() -> bool:
+            with self.cond:
+                current = self.waiting.get(owner)
+            return current is not None and current[0] == since
+        return still
 
     def _loop(self) -> None:
         while True:

@@ -160,13 +160,16 @@ class Runtime(RuntimeInspection):
             return copy.deepcopy(conv)
 
     def restore_conversation(self, saved: Conversation) -> None:
-        """Put back a snapshot (a multi-step request failed half-way). Its chain in
-        the tree is physical state and stays as it is: the next step re-matches."""
-        with self._lock:
-            if saved.id not in self.conversations:
-                self._conv_locks[saved.id] = threading.Lock()
-            self.conversations[saved.id] = saved
-        self._persist(saved)
+        """Put back a snapshot's layers (a multi-step request failed half-way), in
+        place and under the conversation's lock. A conversation deleted meanwhile
+        stays deleted. Its chain in the tree is physical state and stays as it
+        is: the next step re-matches."""
+        try:
+            with self._locked(saved.id) as conv:
+                conv.__dict__.update(copy.deepcopy(saved).__dict__)
+                self._persist(conv)
+        except ConversationNotFound:
+            pass
 
     def get(self, conversation_id: str) -> Conversation:
         """Raises ConversationNotFound."""
@@ -349,7 +352,7 @@ class Runtime(RuntimeInspection):
         acc = result.accounting
         if new[0].role == "user":
             prev = conv.turns[-1] if conv.turns else None
-            state = turn_rules.cache_state(acc.cached_input_tokens, self.config.page_size,
+            state = turn_rules.cache_state(acc.cached_input_tokens + acc.host_loaded_tokens, self.config.page_size,
                                            prev.first_prompt_tokens if prev else None, conv.canonical_kind)
             acc = dataclasses.replace(acc, cache_state=state, counterfactual=counterfactual)
             conv.turns.append(TurnRecord(index=turn, first_prompt_tokens=len(prompt), cache_state=state,
@@ -395,10 +398,10 @@ class Runtime(RuntimeInspection):
         acc = dataclasses.replace(acc, active_context_length=len(canonical))
         if fork >= len(generated):
             conv.canonical_kind = "generated"  # nothing dropped: the chain is canonical
-            return acc
+            return self._chain_bytes(conv, acc)
         conv.canonical_kind = "prefix"
         if not conv.policy.holds_chain:
-            return acc
+            return self._chain_bytes(conv, acc)
         # A's KV was computed after R: past the fork nothing may be reused. Hold
         # only the shared prefix; the generated branch is left to LRU.
         self.engine.lock_prefix(conv.id, ns, canonical[:fork])
@@ -409,12 +412,20 @@ class Runtime(RuntimeInspection):
                 reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
                 answer_tokens=len(canonical) - fork,
                 free_fraction=free / pools.capacity,
-                idle=self.materializer.waiting_users <= 1,
+                idle=self.materializer.waiting_users == 0,  # this request has already left
             )
             record.materialize = ("scheduled: " if ok else "skipped: ") + why
             if ok:
                 self.materializer.submit(conv.id, canonical, ns)
-        return acc
+        return self._chain_bytes(conv, acc)
+
+    def _chain_bytes(self, conv: Conversation, acc):
+        """The step's KV figures as the closed turn left the chain."""
+        if not conv.policy.holds_chain:
+            return acc  # nothing is held: the figures are what the step inserted
+        return dataclasses.replace(
+            acc, kv_device_bytes=self.engine.tree.chain_tokens(conv.id) * self.engine.bytes_per_token,
+            kv_host_bytes=self.engine.host.bytes_of(conv.id))
 
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up, and every chain has a conversation."""

@@ -28,7 +28,9 @@ def session_event(kind: str, payload: object) -> dict:
 
 
 def sse_step(run: Callable[[Callable[[int], None]], Step], tpl: Template, fmt: Format = session_event) -> Iterator[str]:
-    """Yield SSE lines for `run(on_token)`. Ends with `data: [DONE]`."""
+    """Start `run(on_token)` now, on its own thread, and return the SSE lines it
+    produces, ending with `data: [DONE]`. The step runs to its end even if the
+    client never reads a byte."""
     events: queue.Queue = queue.Queue()
 
     def worker() -> None:
@@ -40,6 +42,10 @@ def sse_step(run: Callable[[Callable[[int], None]], Step], tpl: Template, fmt: F
             events.put(("error", {"type": "internal", "message": f"{type(exc).__name__}: {exc}", "status": 500}))
 
     threading.Thread(target=worker, name="sse-step", daemon=True).start()
+    return _lines(events, tpl, fmt)
+
+
+def _lines(events: queue.Queue, tpl: Template, fmt: Format) -> Iterator[str]:
     ids: list[int] = []
     sent = {"reasoning": "", "content": ""}
     while True:

@@ -1,0 +1,131 @@
+"""Regression tests for interleavings a review found: each forces one ordering
+the locks allow (a hook runs one thread's work inside another's window)."""
+
+from __future__ import annotations
+
+import pytest
+
+from session_runtime import Runtime, RuntimeConfig
+
+
+def words(n: int, w: str = "alpha") -> str:
+    return (" " + w) * n
+
+
+@pytest.fixture
+def rt():
+    runtime = Runtime(RuntimeConfig(model="tiny", page_size=16, pool_tokens=4096, host_pool_tokens=4096,
+                                    max_context=2048), background=False)
+    yield runtime
+    runtime.close()
+
+
+def tool_turn(rt, cid, reasoning=20):
+    return rt.send_message(cid, words(5), forced={"reasoning": words(reasoning),
+                                                  "tool_calls": [{"name": "f", "arguments": {}}]})
+
+
+def test_a_split_inside_the_tail_during_the_copy_cancels_the_demotion(rt):
+    x = rt.create_conversation(system=words(40), tenant="t", policy="drop", offload="always")
+    s1 = tool_turn(rt, x)
+    common = words(40, "common")
+    rt.send_tool_results(x, [{"tool_call_id": s1.tool_calls[0]["id"], "content": common + " xx"}],
+                         forced={"reasoning": words(20), "tool_calls": [{"name": "g", "arguments": {}}]})
+    assert len(rt.engine.tree.plan_demote(x).nodes) == 2
+    y = rt.create_conversation(system=words(40), tenant="t", policy="engine_default", offload="never")
+    y1 = tool_turn(rt, y)
+    alloc = rt.engine.pools.allocator
+    original = alloc.get_cpu_copy
+
+    def copy_while_another_step_runs(slots, *a, **k):
+        out = original(slots, *a, **k)
+        alloc.get_cpu_copy = original
+        # Y's step shares X's tail up to inside its second node: it splits it.
+        rt.send_tool_results(y, [{"tool_call_id": y1.tool_calls[0]["id"], "content": common + " yy"}],
+                             forced={"content": words(3)})
+        return out
+
+    alloc.get_cpu_copy = copy_while_another_step_runs
+    assert rt.offload.run_due() == 0
+    rt.check_integrity()
+
+
+def test_a_delete_during_a_demotion_leaves_no_host_entry(rt):
+    keeper = rt.create_conversation(system=words(40), tenant="t", policy="keep", offload="never")
+    rt.send_message(keeper, words(5, "zeta"), forced={"content": words(3)})
+    x = rt.create_conversation(system=words(40), tenant="t", policy="drop", offload="always")
+    tool_turn(rt, x)
+    guard = rt.offload._guard(x, rt.offload.waiting[x][0])  # the worker already read `waiting`
+    forget = rt.offload.forget
+
+    def forget_then_worker_demotes(owner):
+        forget(owner)
+        assert rt.engine.demote(owner, guard) == 0
+
+    rt.offload.forget = forget_then_worker_demotes
+    rt.delete_conversation(x)
+    rt.offload.forget = forget
+    assert rt.engine.host.peek(x) is None and rt.engine.host.used_tokens == 0
+    rt.check_integrity()
+
+
+def test_reloaded_tokens_another_chain_had_cached_are_device_reuse(rt):
+    a = rt.create_conversation(system=words(40), tenant="t", policy="drop", offload="always")
+    sa = tool_turn(rt, a, reasoning=60)
+    moved = rt.offload.run_due()
+    assert moved > 0
+    b = rt.create_conversation(system=words(40), tenant="t", policy="drop", offload="never")
+    tool_turn(rt, b, reasoning=60)  # the same tokens, now on the device again
+    ra = rt.send_tool_results(a, [{"tool_call_id": sa.tool_calls[0]["id"], "content": "ok"}],
+                              forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
+    assert ra.accounting.host_loaded_tokens == 0
+    assert ra.accounting.cached_input_tokens == moved
+    rt.check_integrity()
+
+
+def test_a_closing_step_reports_the_chain_it_leaves(rt):
+    x = rt.create_conversation(system=words(40), policy="drop", materialize="never", offload="always")
+    s1 = tool_turn(rt, x, reasoning=100)
+    rt.offload.run_due()
+    s2 = rt.send_tool_results(x, [{"tool_call_id": s1.tool_calls[0]["id"], "content": "ok"}],
+                              forced={"reasoning": words(100), "content": words(5)})
+    chain = rt.describe(x)["chain"]
+    assert s2.accounting.kv_device_bytes == chain["kv_device_bytes"]
+    assert s2.accounting.kv_host_bytes == chain["kv_host_bytes"] == 0
+
+
+def test_auto_materialization_waits_while_another_request_is_queued(rt):
+    x = rt.create_conversation(system=words(40), policy="drop", materialize="auto")
+    rt.materializer.user_enter()  # another request waits for the engine
+    try:
+        rt.send_message(x, words(5), forced={"reasoning": words(100), "content": words(5)})
+    finally:
+        rt.materializer.user_exit()
+    assert rt.describe(x)["turns"][0]["materialize"] == "skipped: engine busy"
+
+
+def test_an_undo_after_a_delete_does_not_bring_the_conversation_back(rt):
+    c = rt.create_conversation(system="s", policy="drop")
+    rt.send_message(c, "hello", forced={"content": "hi"})
+    saved = rt.snapshot_conversation(c)
+    rt.delete_conversation(c)
+    rt.restore_conversation(saved)
+    assert c not in rt.conversations
+
+
+def test_a_second_demotion_never_replaces_a_host_only_copy(rt):
+    keeper = rt.create_conversation(system=words(40), tenant="t", policy="keep", offload="never")
+    rt.send_message(keeper, words(5, "zeta"), forced={"content": words(3)})
+    x = rt.create_conversation(system=words(40), tenant="t", policy="drop", offload="never")
+    s = tool_turn(rt, x)
+    eng = rt.engine
+    first = eng.demote(x)
+    assert first > 0
+    rt.delete_conversation(keeper)
+    with eng.lock:
+        eng.tree.evict_tokens(10**6)
+    assert eng.demote(x) == 0  # the anchor is exclusive now, but the tail is already on the host
+    r = rt.send_tool_results(x, [{"tool_call_id": s.tool_calls[0]["id"], "content": "ok"}], forced={"content": words(2)})
+    assert r.accounting.host_loaded_tokens == first  # the first copy comes back whole
+    assert eng.host.stats.lost_tokens == 0
+    rt.check_integrity()
