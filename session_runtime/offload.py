@@ -58,9 +58,18 @@ class OffloadManager:
             self.waiting[owner] = (time.monotonic(), settings)
             self.cond.notify_all()
 
-    def wait_ended(self, owner: str) -> None:
+    def wait_ended(self, owner: str) -> Optional[tuple[float, OffloadSettings]]:
+        """Stop tracking the owner's wait; returns it, for `wait_resumed`."""
         with self.cond:
-            self.waiting.pop(owner, None)
+            return self.waiting.pop(owner, None)
+
+    def wait_resumed(self, owner: str, wait: Optional[tuple[float, OffloadSettings]]) -> None:
+        """Put back a wait that a failed step had ended, with its original start
+        (a ttl keeps counting from when the tool call was made)."""
+        if wait is not None:
+            with self.cond:
+                self.waiting[owner] = wait
+                self.cond.notify_all()
 
     def forget(self, owner: str) -> None:
         """The conversation is gone: drop its host copy too."""

@@ -303,7 +303,8 @@ class Runtime(RuntimeInspection):
         ns = self.namespace(conv)
         first = new[0].role == "user"
         self.materializer.user_enter()
-        self.offload.wait_ended(conv.id)  # the tool wait is over: no demotion now
+        wait = self.offload.wait_ended(conv.id)  # the tool wait is over: no demotion now
+        job = None
         try:
             # A pending materialization is cancelled, a running one joined.
             job = self.materializer.claim(conv.id)
@@ -324,8 +325,11 @@ class Runtime(RuntimeInspection):
                 )
             )
         except BaseException:
-            if conv.protocol is not None:  # still waiting for tools: offload may act again
-                self.offload.wait_started(conv.id, conv.offload)
+            # A failed request changes nothing: the tool wait goes on as it was,
+            # and a canonical branch this request cancelled is scheduled again.
+            self.offload.wait_resumed(conv.id, wait)
+            if job is not None and job.state == "cancelled":
+                self.materializer.submit(job.owner, job.tokens, job.namespace)
             raise
         finally:
             self.materializer.user_exit()

@@ -129,3 +129,22 @@ def test_a_second_demotion_never_replaces_a_host_only_copy(rt):
     assert r.accounting.host_loaded_tokens == first  # the first copy comes back whole
     assert eng.host.stats.lost_tokens == 0
     rt.check_integrity()
+
+
+def test_a_rejected_request_keeps_the_tool_wait_and_the_pending_branch(rt):
+    from session_runtime import ContextTooLong
+
+    x = rt.create_conversation(system=words(40), policy="drop", materialize="always", offload="ttl")
+    s = tool_turn(rt, x)
+    since = rt.offload.waiting[x][0]
+    with pytest.raises(ContextTooLong):
+        rt.send_tool_results(x, [{"tool_call_id": s.tool_calls[0]["id"], "content": words(3000)}])
+    assert rt.offload.waiting[x][0] == since  # the ttl still counts from the tool call
+    rt.send_tool_results(x, [{"tool_call_id": s.tool_calls[0]["id"], "content": "ok"}],
+                         forced={"reasoning": words(50), "content": words(3)})
+    assert rt.materializer.jobs[x].state == "pending"
+    with pytest.raises(ContextTooLong):
+        rt.send_message(x, words(3000))
+    assert rt.materializer.jobs[x].state == "pending"  # cancelled by the claim, scheduled again
+    assert rt.materializer.run_pending() == 1
+    rt.check_integrity()
