@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", default=_DEFAULTS.policy,
                        choices=["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"],
                        help="default reasoning policy of new conversations")
-    serve.add_argument("--template", default=_DEFAULTS.template, choices=["deepseek", "qwen3"])
+    serve.add_argument("--template", default=_DEFAULTS.template, choices=["auto", "deepseek", "qwen3"],
+                       help="auto: qwen3 for a folder with Qwen's tokenizer, else deepseek")
     serve.add_argument("--data-dir", default="data", help="SQLite store of conversations ('' keeps them in memory)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

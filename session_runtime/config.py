@@ -85,7 +85,9 @@ class RuntimeConfig:
     prefill_chunk: int = 2048  # tokens per prefill forward (bounds attention memory)
     seed: int = 0
     policy: str = "drop"  # default reasoning policy of new conversations
-    template: str = "deepseek"  # default chat template of new conversations
+    # Default chat template of new conversations: deepseek, qwen3, or auto (qwen3
+    # when a model folder's tokenizer is Qwen's, deepseek otherwise).
+    template: str = "auto"
     offload: str = "pressure"  # default tool-wait offload policy: never, always, ttl, pressure
     data_dir: Optional[str] = None  # SQLite store of conversations; None keeps them in memory
     model_id: str = ""  # namespace override; defaults to the model name

@@ -42,6 +42,9 @@ class Runtime(RuntimeInspection):
     def __init__(self, config: Optional[RuntimeConfig] = None, *, background: bool = True):
         self.config = config or RuntimeConfig()
         self.tokenizer = load_tokenizer(self.config.model, self.config.template)
+        if self.config.template == "auto":
+            qwen = self.tokenizer.inner.token_to_id("<|im_start|>") is not None
+            self.config = self.config.replace(template="qwen3" if qwen else "deepseek")
         decoder = build_decoder(self.config.model, self.config.seed, self.config.torch_dtype,
                                 self.config.device, min_vocab=self.tokenizer.vocab_size)
         if self.tokenizer.vocab_size > decoder.cfg.vocab_size:

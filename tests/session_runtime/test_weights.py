@@ -74,3 +74,18 @@ def test_bad_folders_are_clear_errors(tmp_path):
         f.unlink()
     with pytest.raises(InvalidRequest, match="no \\*.safetensors"):
         build_decoder(str(tmp_path), 0, torch.float32, "cpu")
+
+
+def test_a_qwen_folder_gets_the_qwen3_template(tmp_path):
+    from session_runtime.tokenizer import qwen3_tokenizer
+
+    save_hf(tmp_path, "qwen3", vocab=151936, tied=True)
+    (tmp_path / "tokenizer.json").write_text(qwen3_tokenizer().inner.to_str())
+    rt = Runtime(RuntimeConfig(model=str(tmp_path), pool_tokens=1024, max_context=512), background=False)
+    try:
+        assert rt.config.template == "qwen3"
+        cid = rt.create_conversation(system="Real weights.")
+        assert rt.get(cid).template == "qwen3"
+        assert rt.send_message(cid, "Hello", max_tokens=2).accounting.output_tokens == 2
+    finally:
+        rt.close()
