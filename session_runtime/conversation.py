@@ -92,6 +92,7 @@ class Conversation:
     protocol: Optional[ProtocolState] = None  # set while a turn is open
     chain_tokens: list[int] = field(default_factory=list)  # last computed sequence
     canonical_kind: str = "none"  # what the chain holds: generated, prefix, canonical
+    version: int = 0  # bumped by every committed step and every adopted history
 
     @property
     def closed_turns(self) -> int:

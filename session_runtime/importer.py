@@ -20,20 +20,23 @@ def client_messages(tpl: Template, raw: Sequence[dict]) -> list[Message]:
     out: list[Message] = []
     turn = -1
     for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object")
         role = m.get("role")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise InvalidRequest(f"messages[{i}].content must be a string")
+        content = text_content(m.get("content"), f"messages[{i}].content")
         if role == "user":
             turn += 1
             out.append(Message("user", turn, content))
         elif role == "assistant":
             if turn < 0:
                 raise InvalidRequest(f"messages[{i}]: an assistant message before any user message")
-            calls = tuple(_tool_call(c, i) for c in m.get("tool_calls") or ())
+            raw_calls = m.get("tool_calls") or []
+            if not isinstance(raw_calls, list) or not all(isinstance(c, dict) for c in raw_calls):
+                raise InvalidRequest(f"messages[{i}].tool_calls must be a list of objects")
+            calls = tuple(_tool_call(c, i) for c in raw_calls)
             reasoning = m.get("reasoning_content") or ""
+            if not isinstance(reasoning, str):
+                raise InvalidRequest(f"messages[{i}].reasoning_content must be a string")
             ids = tuple(tpl.forced_ids(reasoning, content, calls))
             out.append(Message("assistant", turn, content, reasoning, calls, output_ids=ids))
         elif role == "tool":
@@ -45,10 +48,26 @@ def client_messages(tpl: Template, raw: Sequence[dict]) -> list[Message]:
     return out
 
 
+def text_content(content: object, where: str = "content") -> str:
+    """OpenAI content: a string, or parts of which the text ones count."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
+        if not all(isinstance(t, str) for t in texts):
+            raise InvalidRequest(f"{where}: a text part's text must be a string")
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise InvalidRequest(f"{where} must be a string or a list of parts")
+    return content
+
+
 def _tool_call(c: dict, i: int) -> ToolCall:
     import json
 
     fn = c.get("function") or {}
+    if not isinstance(fn, dict):
+        raise InvalidRequest(f"messages[{i}]: tool_calls[].function must be an object")
     args = fn.get("arguments") or {}
     if isinstance(args, str):
         try:
@@ -63,7 +82,8 @@ def _tool_call(c: dict, i: int) -> ToolCall:
 def same_history(conv: Conversation, messages: Sequence[Message]) -> bool:
     """Does the conversation's trace say what the client's history says? Reasoning
     is not compared: clients may drop it between turns."""
-    trace = [e.message for e in conv.trace]
+    trace = _results_by_id([e.message for e in conv.trace])
+    messages = _results_by_id(messages)
     if len(trace) != len(messages):
         return False
     for a, b in zip(trace, messages):
@@ -72,6 +92,22 @@ def same_history(conv: Conversation, messages: Sequence[Message]) -> bool:
         if [(c.id, c.name) for c in a.tool_calls] != [(c.id, c.name) for c in b.tool_calls]:
             return False
     return True
+
+
+def _results_by_id(messages: Sequence[Message]) -> list[Message]:
+    """Tool results answer one step's calls together, in any order: sort each run
+    by call id so the order a client sends them in does not count."""
+    out: list[Message] = []
+    run: list[Message] = []
+    for m in [*messages, None]:
+        if m is not None and m.role == "tool":
+            run.append(m)
+            continue
+        out += sorted(run, key=lambda r: r.tool_call_id)
+        run = []
+        if m is not None:
+            out.append(m)
+    return out
 
 
 def adopt(conv: Conversation, tpl: Template, messages: Sequence[Message]) -> None:

@@ -78,6 +78,7 @@ class Runtime(RuntimeInspection):
         if conv is not None and conv.turns:
             conv.turns[-1].materialized_prefill_tokens = job.prefill_tokens
             conv.canonical_kind = "canonical"
+            self._persist(conv)
 
     def _persist(self, conv: Conversation) -> None:
         if self.store is not None:
@@ -154,6 +155,7 @@ class Runtime(RuntimeInspection):
             self.materializer.cancel(conv.id)
             conv.system, conv.tools = system, list(tools)
             importer.adopt(conv, tpl, messages)
+            conv.version += 1
             self._persist(conv)
             return True
 
@@ -162,17 +164,22 @@ class Runtime(RuntimeInspection):
         with self._locked(conversation_id) as conv:
             return copy.deepcopy(conv)
 
-    def restore_conversation(self, saved: Conversation) -> None:
+    def restore_conversation(self, saved: Conversation, expected_version: int) -> bool:
         """Put back a snapshot's layers (a multi-step request failed half-way), in
-        place and under the conversation's lock. A conversation deleted meanwhile
-        stays deleted. Its chain in the tree is physical state and stays as it
-        is: the next step re-matches."""
+        place and under the conversation's lock, only if nothing else committed
+        since that request's own change (`expected_version`): a step another
+        request completed meanwhile is never undone, and a conversation deleted
+        meanwhile stays deleted. Its chain is physical state and stays as it is.
+        Returns whether it restored."""
         try:
             with self._locked(saved.id) as conv:
+                if conv.version != expected_version:
+                    return False
                 conv.__dict__.update(copy.deepcopy(saved).__dict__)
                 self._persist(conv)
+                return True
         except ConversationNotFound:
-            pass
+            return False
 
     def get(self, conversation_id: str) -> Conversation:
         """Raises ConversationNotFound."""
@@ -337,6 +344,7 @@ class Runtime(RuntimeInspection):
         finally:
             self.materializer.user_exit()
         step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)
+        conv.version += 1
         self._persist(conv)  # before the response returns
         return step
 

@@ -8,6 +8,7 @@ runtime commits only after a step succeeds.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,9 @@ from session_runtime.runtime import Runtime
 
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"type": kind, "message": message}})
+    # A client error will fail the same way again: tell OpenAI's SDK not to retry it.
+    headers = {"x-should-retry": "false"} if 400 <= status < 500 else None
+    return JSONResponse(status_code=status, content={"error": {"type": kind, "message": message}}, headers=headers)
 
 
 def create_app(runtime: Runtime) -> FastAPI:
@@ -42,6 +45,12 @@ def create_app(runtime: Runtime) -> FastAPI:
     def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
         return _error(422, "validation_error", "; ".join(parts))
+
+    @app.exception_handler(Exception)
+    def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logging.getLogger("session_runtime").exception("internal error")
+        metrics.record_error()
+        return _error(500, "internal", f"{type(exc).__name__}: {exc}")
 
     @app.get("/health")
     def health() -> dict:

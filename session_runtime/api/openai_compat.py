@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from session_runtime.api.streaming import sse_step
 from session_runtime.errors import ConversationNotFound, InvalidRequest
+from session_runtime.importer import text_content
 from session_runtime.runtime import Runtime
 from session_runtime.step import Step
 
@@ -87,16 +88,19 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         cid, saved, fresh = _conversation(runtime, body, system)
         ephemeral = fresh and not body.conversation_id
 
+        adopted = False
+
         def undo() -> None:
             # A failed request changes nothing: forget what it created, or put
-            # back the conversation it adopted a history into.
+            # back the conversation it adopted a history into (unless another
+            # request has committed since).
             if fresh:
                 runtime.delete_conversation(cid)
-            elif saved is not None:
-                runtime.restore_conversation(saved)
+            elif saved is not None and adopted:
+                runtime.restore_conversation(saved, saved.version + 1)
 
         try:
-            runtime.adopt_history(cid, system, body.tools or [], rest[: len(rest) - len(tail)])
+            adopted = runtime.adopt_history(cid, system, body.tools or [], rest[: len(rest) - len(tail)])
         except Exception:
             undo()
             raise
@@ -153,17 +157,6 @@ def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str]):
                                           conversation_id=body.conversation_id)
         return cid, None, True
     return runtime.create_conversation(system, tools=body.tools, policy=body.policy), None, True
-
-
-def text_content(content: object) -> str:
-    """OpenAI content: a string, or parts of which the text ones count."""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if content is None:
-        return ""
-    if not isinstance(content, str):
-        raise InvalidRequest("message content must be a string or a list of parts")
-    return content
 
 
 def _chunk(kind: str, value: object, model: str, rid: str) -> dict:

@@ -54,11 +54,31 @@ def _lines(events: queue.Queue, tpl: Template, fmt: Format) -> Iterator[str]:
             ids.append(value)
             parsed = tpl.parse_output(ids, "")
             for field, text in (("reasoning", parsed.reasoning), ("content", parsed.content)):
-                # Multi-byte characters decode only once complete: send what extends.
+                text = safe_prefix(text, tpl.call_marker if field == "content" else "")
                 if len(text) > len(sent[field]) and text.startswith(sent[field]):
                     yield f"data: {json.dumps(fmt(field, text[len(sent[field]):]), ensure_ascii=False)}\n\n"
                     sent[field] = text
             continue
+        if kind == "step":  # flush what was held back, now that the output is whole
+            for field, text in (("reasoning", value.reasoning), ("content", value.content)):
+                if len(text) > len(sent[field]) and text.startswith(sent[field]):
+                    yield f"data: {json.dumps(fmt(field, text[len(sent[field]):]), ensure_ascii=False)}\n\n"
         yield f"data: {json.dumps(fmt(kind, value), ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
         return
+
+
+def safe_prefix(text: str, marker: str) -> str:
+    """The part of partly decoded text that can be sent and never taken back:
+    without a trailing incomplete character (decoded as U+FFFD until its last
+    byte arrives) and without anything that is, or may become, `marker` (the
+    start of tool-call markup, which is not content)."""
+    text = text.rstrip("\ufffd")
+    if marker:
+        cut = text.find(marker)
+        if cut >= 0:
+            return text[:cut]
+        for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-keep:]):
+                return text[:-keep]
+    return text

@@ -88,6 +88,7 @@ def message_groups(messages: Sequence[Message]) -> Iterator[tuple[str, list[Mess
 class Template(Protocol):
     name: str
     tok: Tokenizer
+    call_marker: str
 
     @property
     def stop_token_ids(self) -> frozenset[int]: ...

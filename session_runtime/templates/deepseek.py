@@ -76,6 +76,7 @@ def _parse_calls(text: str, call_id_base: str) -> tuple[str, tuple[ToolCall, ...
 
 class DeepSeekTemplate:
     name = "deepseek"
+    call_marker = _CALLS_START  # where tool-call markup starts in the answer text
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok

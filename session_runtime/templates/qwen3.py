@@ -39,6 +39,7 @@ _CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 
 class Qwen3Template:
     name = "qwen3"
+    call_marker = "<tool_call>"  # where tool-call markup starts in the answer text
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok

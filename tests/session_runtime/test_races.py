@@ -109,7 +109,7 @@ def test_an_undo_after_a_delete_does_not_bring_the_conversation_back(rt):
     rt.send_message(c, "hello", forced={"content": "hi"})
     saved = rt.snapshot_conversation(c)
     rt.delete_conversation(c)
-    rt.restore_conversation(saved)
+    assert rt.restore_conversation(saved, saved.version) is False
     assert c not in rt.conversations
 
 
@@ -148,3 +148,12 @@ def test_a_rejected_request_keeps_the_tool_wait_and_the_pending_branch(rt):
     assert rt.materializer.jobs[x].state == "pending"  # cancelled by the claim, scheduled again
     assert rt.materializer.run_pending() == 1
     rt.check_integrity()
+
+
+def test_an_undo_never_erases_a_step_another_request_committed(rt):
+    c = rt.create_conversation(system="s", policy="drop")
+    saved = rt.snapshot_conversation(c)  # request B takes its snapshot
+    assert rt.adopt_history(c, "s", [], [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}])
+    rt.send_message(c, "from A", forced={"content": "ok"})  # request A commits a step
+    assert rt.restore_conversation(saved, saved.version + 1) is False  # B fails: its undo must not erase A's step
+    assert [e.message.content for e in rt.get(c).trace][-2:] == ["from A", "ok"]
