@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import dataclasses
 import threading
 import uuid
@@ -121,6 +122,7 @@ class Runtime(RuntimeInspection):
         ConversationBusy when `conversation_id` is taken."""
         if system is not None and not isinstance(system, str):
             raise InvalidRequest("system must be a string")
+        _utf8("system", system or "", "tenant", tenant or "", "tools", json.dumps(list(tools or ()), ensure_ascii=False))
         if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
             raise InvalidRequest("tools must be a list of objects")
         template = template or self.config.template
@@ -239,6 +241,7 @@ class Runtime(RuntimeInspection):
         """
         if not isinstance(content, str) or not content.strip():
             raise InvalidRequest("message content must be a non-empty string")
+        _utf8("content", content)
         with self._locked(conversation_id) as conv:
             if conv.protocol is not None:
                 pending = [c.id for c in conv.protocol.pending_calls]
@@ -271,6 +274,7 @@ class Runtime(RuntimeInspection):
             for r in results:
                 if not isinstance(r, dict) or not isinstance(r.get("tool_call_id"), str) or not isinstance(r.get("content", ""), str):
                     raise InvalidRequest("each result must be {tool_call_id: str, content: str}")
+                _utf8("tool result", r.get("content", ""))
                 by_id.setdefault(r["tool_call_id"], []).append(r.get("content", ""))
             pending = {c.id: c for c in conv.protocol.pending_calls}
             unknown = [i for i in by_id if i not in pending]
@@ -299,12 +303,24 @@ class Runtime(RuntimeInspection):
         reasoning, content = forced.get("reasoning") or "", forced.get("content") or ""
         if not isinstance(reasoning, str) or not isinstance(content, str):
             raise InvalidRequest("forced reasoning and content must be strings")
+        _utf8("forced reasoning", reasoning, "forced content", content)
         calls = []
         for c in forced.get("tool_calls") or ():
             if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("arguments", {}), dict):
                 raise InvalidRequest("forced tool_calls must be [{name: str, arguments: object}]")
             calls.append(ToolCall(id="", name=c["name"], arguments=c.get("arguments", {})))
-        return tpl.forced_ids(reasoning, content, calls)
+        ids = tpl.forced_ids(reasoning, content, calls)
+        # Replay appends exactly what the template writes: refuse what it cannot
+        # write back (a reasoning holding the end-of-thinking marker, a tool name
+        # that breaks the call markup, ...), rather than store something else.
+        back = tpl.parse_output(ids, "")
+        if (back.reasoning.strip(), back.content.strip()) != (reasoning.strip(), content.strip()) or [
+            (c.name, c.arguments) for c in back.tool_calls
+        ] != [(c.name, c.arguments) for c in calls]:
+            raise InvalidRequest("forced output does not survive the chat template: it would read back as "
+                                 f"reasoning {back.reasoning[:60]!r}, content {back.content[:60]!r}, "
+                                 f"{len(back.tool_calls)} tool calls")
+        return ids
 
     def _step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
               forced: Optional[dict], on_token: Optional[Callable[[int], None]] = None) -> Step:
@@ -454,3 +470,13 @@ class Runtime(RuntimeInspection):
         self.offload.close()
         if self.store is not None:
             self.store.close()
+
+
+def _utf8(*named: str) -> None:
+    """Raise InvalidRequest for text that is not valid Unicode (a lone surrogate
+    from a JSON escape): it could not be tokenized, stored or returned."""
+    for name, text in zip(named[::2], named[1::2]):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"{name} is not valid Unicode: {exc.reason} at {exc.start}") from None

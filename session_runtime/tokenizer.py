@@ -14,11 +14,18 @@ class Tokenizer:
     """A `tokenizers.Tokenizer` plus the identity used in cache namespaces."""
 
     inner: object  # tokenizers.Tokenizer
+    plain: object  # the same without its added tokens: text never becomes a control token
     name: str
     digest: str  # sha256 prefix of tokenizer.json: part of every cache key
 
     def encode(self, text: str) -> list[int]:
+        """Ids of template text: added tokens written in it (<think>, ...) match."""
         return self.inner.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of user, tool or model text: a control token spelled out in it stays
+        plain text, so no input can forge the template's structure."""
+        return self.plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=False)
@@ -34,11 +41,16 @@ class Tokenizer:
 
 
 def _load(path: Path, name: str) -> Tokenizer:
+    import json
+
     from tokenizers import Tokenizer as HFTokenizer
 
     data = path.read_bytes()
+    spec = json.loads(data)
+    spec["added_tokens"] = []
     return Tokenizer(
         inner=HFTokenizer.from_str(data.decode("utf-8")),
+        plain=HFTokenizer.from_str(json.dumps(spec)),
         name=name,
         digest=hashlib.sha256(data).hexdigest()[:12],
     )

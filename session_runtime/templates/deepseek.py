@@ -105,15 +105,16 @@ class DeepSeekTemplate:
     ) -> Rendered:
         out = Rendered()
         out.add("bos", [self.bos])
-        text = system or ""
+        ids = self.tok.encode_text(system) if system else []
         if tools:
+            # The template's own text: its markup tokenizes as the model saw it in training.
             schemas = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in tools)
-            text = (text + "\n\n" if text else "") + _TOOLS_HEADER.replace("{schemas}", schemas)
-        out.add("system", self.tok.encode(text) if text else [])
+            ids += self.tok.encode(("\n\n" if ids else "") + _TOOLS_HEADER.replace("{schemas}", schemas))
+        out.add("system", ids)
         for role, group in message_groups(messages):
             kept = keep(group[0].turn)
             if role == "user":
-                out.add("user", [self.user, *self.tok.encode(group[0].content), self.assistant])
+                out.add("user", [self.user, *self.tok.encode_text(group[0].content), self.assistant])
                 self._marker(out, kept)
             elif role == "assistant":
                 self._render_assistant(out, group[0], kept)
@@ -134,13 +135,15 @@ class DeepSeekTemplate:
 
     def _render_results(self, out: Rendered, results: Sequence[Message], keep: bool) -> None:
         text = "\n\n<function_results>" + "".join(f"\n<result>{m.content}</result>" for m in results)
-        out.add("tool_result", self.tok.encode(text + "\n</function_results>\n\n"))
+        out.add("tool_result", self.tok.encode_text(text + "\n</function_results>\n\n"))
         self._marker(out, keep)
 
     def forced_ids(self, reasoning: str, content: str, tool_calls: Sequence[ToolCall] = ()) -> list[int]:
         """Ids of an assistant output given as text (trace replay, client history)."""
-        answer = content + _dsml_calls(tool_calls)
-        return [*self.tok.encode(reasoning), self.end_think, *self.tok.encode(answer), self.eos]
+        # The call markup is the template's (tokenized as the model writes it);
+        # reasoning and content are text that never becomes a control token.
+        calls = self.tok.encode(_dsml_calls(tool_calls)) if tool_calls else []
+        return [*self.tok.encode_text(reasoning), self.end_think, *self.tok.encode_text(content), *calls, self.eos]
 
     def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput:
         ids = list(ids)

@@ -48,6 +48,10 @@ class Qwen3Template:
         self.think = tok.token_id("<think>")
         self.end_think = tok.token_id("</think>")
         self.endoftext = tok.token_id("<|endoftext|>")
+        self.tool_call = tok.token_id("<tool_call>")
+        self.end_tool_call = tok.token_id("</tool_call>")
+        self.tool_response = tok.token_id("<tool_response>")
+        self.end_tool_response = tok.token_id("</tool_response>")
         self.newline = tok.encode("\n")
 
     @property
@@ -66,21 +70,27 @@ class Qwen3Template:
         generation_prompt: bool = True,
     ) -> Rendered:
         out = Rendered()
-        text = system or ""
+        ids = self.tok.encode_text(system) if system else []
         if tools:
             schemas = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in tools)
-            text = (text + "\n\n" if text else "") + _TOOLS.replace("{schemas}", schemas)
-        if text:
-            out.add("system", [*self._header("system"), *self.tok.encode(text), self.im_end, *self.newline])
+            # The instructions name the call tags: those are the tags' tokens.
+            ids += self.tok.encode_text("\n\n") if ids else []
+            ids += self._answer_ids(_TOOLS.replace("{schemas}", schemas))
+        if ids:
+            out.add("system", [*self._header("system"), *ids, self.im_end, *self.newline])
         for role, group in message_groups(messages):
             if role == "user":
-                out.add("user", [*self._header("user"), *self.tok.encode(group[0].content), self.im_end, *self.newline])
+                out.add("user", [*self._header("user"), *self.tok.encode_text(group[0].content), self.im_end,
+                                 *self.newline])
             elif role == "assistant":
                 out.add("generation_prompt", self._header("assistant"))
                 self._render_assistant(out, group[0], keep(group[0].turn))
             else:
-                body = "".join(f"\n<tool_response>\n{m.content}\n</tool_response>" for m in group)
-                out.add("tool_result", [self.im_start, *self.tok.encode("user" + body), self.im_end, *self.newline])
+                ids = [*self._header("user")[:-len(self.newline)]]
+                for m in group:
+                    ids += [*self.newline, self.tool_response, *self.tok.encode_text(f"\n{m.content}\n"),
+                            self.end_tool_response]
+                out.add("tool_result", [*ids, self.im_end, *self.newline])
         if generation_prompt and messages and messages[-1].role != "assistant":
             out.add("generation_prompt", self._header("assistant"))
         return out
@@ -93,7 +103,7 @@ class Qwen3Template:
             out.add("output", ids)  # exactly as generated: think block, answer, calls
         else:
             answer = ids[ids.index(self.end_think) + 1 :] if self.end_think in ids else ids
-            out.add("answer", self.tok.encode(self.tok.decode(answer).lstrip("\n")))
+            out.add("answer", self._answer_ids(self.tok.decode(answer).lstrip("\n")))
         out.add("eos", [self.im_end, *self.newline])
 
     def strip_reasoning(self, msg: Message) -> Message:
@@ -107,8 +117,19 @@ class Qwen3Template:
             "\n<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False) + "\n</tool_call>"
             for c in tool_calls
         )
-        text = f"<think>\n{reasoning}\n</think>\n\n{content}{calls}"
-        return [*self.tok.encode(text), self.im_end]
+        return [self.think, *self.tok.encode_text(f"\n{reasoning}\n"), self.end_think,
+                *self._answer_ids(f"\n\n{content}{calls}"), self.im_end]
+
+    def _answer_ids(self, text: str) -> list[int]:
+        """Answer text as ids: the tool-call tags the template writes become their
+        tokens, everything else stays plain text."""
+        ids: list[int] = []
+        for i, part in enumerate(re.split(r"(<tool_call>|</tool_call>)", text)):
+            if i % 2:
+                ids.append(self.tool_call if part == "<tool_call>" else self.end_tool_call)
+            elif part:
+                ids += self.tok.encode_text(part)
+        return ids
 
     def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput:
         ids = list(ids)
