@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
@@ -41,6 +41,9 @@ class ChatRequest(BaseModel):
     logprobs: bool = False
     conversation_id: Optional[str] = None
     policy: Optional[str] = None
+    n: int = Field(default=1, ge=1, le=1)  # one choice: a conversation has one chain
+    stop: Optional[Union[str, list[str]]] = None
+    stream_options: Optional[dict[str, Any]] = None
 
 
 def _tool_calls(step: Step) -> list[dict]:
@@ -74,6 +77,8 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     def chat(body: ChatRequest):
+        if body.stop:
+            raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step")
         system, rest = None, list(body.messages)
         if rest and rest[0].get("role") in ("system", "developer"):
             system = text_content(rest.pop(0).get("content")) or None
@@ -125,9 +130,11 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
 
         if not body.stream:
             return completion(run(), model, rid)
-        fmt = lambda kind, value: _chunk(kind, value, model, rid)  # noqa: E731
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        fmt = lambda kind, value: _chunk(kind, value, model, rid, usage)  # noqa: E731
         tpl = runtime.template(runtime.get(cid).template)
-        return StreamingResponse(sse_step(run, tpl, fmt), media_type="text/event-stream")
+        first = f"data: {json.dumps(_chunk('role', 'assistant', model, rid, usage))}\n\n"
+        return StreamingResponse(_prepend(first, sse_step(run, tpl, fmt)), media_type="text/event-stream")
 
     return router
 
@@ -159,8 +166,18 @@ def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str]):
     return runtime.create_conversation(system, tools=body.tools, policy=body.policy), None, True
 
 
-def _chunk(kind: str, value: object, model: str, rid: str) -> dict:
+def _prepend(first: str, lines):
+    yield first
+    yield from lines
+
+
+def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False) -> dict:
+    """One SSE body in OpenAI's chat.completion.chunk shape. The step's final
+    chunk carries the finish reason; with stream_options.include_usage the
+    usage follows in a chunk with no choices, as OpenAI sends it."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    if kind == "role":
+        return {**base, "choices": [{"index": 0, "delta": {"role": value, "content": ""}, "finish_reason": None}]}
     if kind == "reasoning":
         return {**base, "choices": [{"index": 0, "delta": {"reasoning_content": value}, "finish_reason": None}]}
     if kind == "content":
@@ -169,5 +186,8 @@ def _chunk(kind: str, value: object, model: str, rid: str) -> dict:
         return {"error": value}
     step: Step = value
     delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(_tool_calls(step))]} if step.tool_calls else {}
-    return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": _FINISH.get(step.finish_reason, "stop")}],
-            "usage": _usage(step), "conversation_id": step.conversation_id}
+    final = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": _FINISH.get(step.finish_reason, "stop")}],
+             "conversation_id": step.conversation_id}
+    if usage:
+        final["usage"] = _usage(step)
+    return final

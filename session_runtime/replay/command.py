@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--materialize", default="auto", choices=MATERIALIZE_MODES,
                         help="materialize mode of runs that do not set one")
     parser.add_argument("--model", default=d.model, help=f"a preset ({', '.join(PRESETS)}) or a local HF folder")
-    parser.add_argument("--template", default=d.template, choices=["deepseek", "qwen3"])
+    parser.add_argument("--template", default=d.template, choices=["auto", "deepseek", "qwen3"])
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--dtype", default=d.dtype)
     parser.add_argument("--page-size", type=int, default=d.page_size)
@@ -110,6 +110,7 @@ def run_command(args, out=None, err=None) -> int:
         return 1
     finally:
         rt.close()
+    config = rt.config  # with the template resolved (auto -> deepseek or qwen3)
 
     print(f"trace {trace.source}: {len(trace.turns)} turns, {trace.n_steps} steps, {trace.n_tool_calls} tool "
           f"calls; model {config.model}, template {config.template}, page size {config.page_size}", file=out)

@@ -216,10 +216,12 @@ def test_stream_with_the_client(oai, rt):
     system = "[stream] Streaming through the openai client."
     n = first_prompt_len(rt, system, "Stream please")
     plain = chat(oai, [sys(system), user("Stream please")], max_tokens=8)
-    chunks = list(chat(oai, [sys(system), user("Stream please")], max_tokens=8, stream=True))
+    chunks = list(chat(oai, [sys(system), user("Stream please")], max_tokens=8, stream=True,
+                       stream_options={"include_usage": True}))
     assert all(c.object == "chat.completion.chunk" and c.model == "tiny" for c in chunks)
     assert len({c.id for c in chunks}) == 1
-    body, last = chunks[:-1], chunks[-1]
+    assert chunks[0].choices[0].delta.role == "assistant"  # the first delta names the role, as OpenAI's
+    body, last = chunks[1:-1], chunks[-1]
     assert all(c.choices[0].finish_reason is None for c in body)
     reasoning = "".join(extra(c.choices[0].delta, "reasoning_content") or "" for c in body)
     content = "".join(c.choices[0].delta.content or "" for c in body)
@@ -246,9 +248,9 @@ def test_stream_content_deltas(oai, client, rt, monkeypatch):
 
     monkeypatch.setattr(rt, "send_message", send_message)
     chunks = list(chat(oai, [sys(system), user("Go")], max_tokens=4, stream=True,
-                       extra_body={"conversation_id": "oa-stream-forced"}))
+                       stream_options={"include_usage": True}, extra_body={"conversation_id": "oa-stream-forced"}))
     monkeypatch.undo()
-    body, last = chunks[:-1], chunks[-1]
+    body, last = chunks[1:-1], chunks[-1]
     kinds = ["r" if extra(c.choices[0].delta, "reasoning_content") else "c" for c in body]
     assert kinds.count("r") > 1 and kinds.count("c") > 1 and kinds == sorted(kinds, key=lambda k: k != "r")
     assert "".join(extra(c.choices[0].delta, "reasoning_content") or "" for c in body) == f["reasoning"]
@@ -340,3 +342,16 @@ def test_content_parts_in_earlier_messages_are_accepted(oai, client):
     d = client.get("/v1/conversations/oa-parts").json()
     assert [t["content"] for t in d["trace"]][:3] == ["Hi", "Hello.", "Again"]
     assert json.loads(json.dumps(d["history"]))[1]["content"] == "Hello."
+
+
+def test_unsupported_options_are_422_not_ignored(oai):
+    for extra_args in ({"n": 2}, {"stop": ["\n"]}):
+        with pytest.raises(openai.UnprocessableEntityError):
+            chat(oai, [sys("[unsupported] Options."), user("Hi")], max_tokens=2, **extra_args)
+
+
+def test_stream_usage_only_when_asked(oai):
+    chunks = list(chat(oai, [sys("[no-usage] No usage."), user("Hi")], max_tokens=2, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
