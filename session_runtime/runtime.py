@@ -92,7 +92,7 @@ class Runtime(RuntimeInspection):
             if name not in self._templates:
                 try:
                     self._templates[name] = build_template(name, self.tokenizer)
-                except AssertionError as exc:  # a special token the tokenizer lacks
+                except InvalidRequest as exc:  # a special token the tokenizer lacks
                     raise InvalidRequest(f"template {name!r} does not fit tokenizer {self.tokenizer.name}: {exc}")
             return self._templates[name]
 

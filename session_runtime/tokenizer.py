@@ -32,7 +32,10 @@ class Tokenizer:
 
     def token_id(self, token: str) -> int:
         tid = self.inner.token_to_id(token)
-        assert tid is not None, f"{self.name} has no token {token!r}"
+        if tid is None:
+            from session_runtime.errors import InvalidRequest
+
+            raise InvalidRequest(f"tokenizer {self.name} has no token {token!r}")
         return tid
 
     @property
