@@ -67,7 +67,6 @@ class _SlotBuffer:
         self.node = node  # the matched prefix's last node, locked for the step
         self.prefix_len = len(prefix)
         self.slots = prefix
-        self.owned: list[torch.Tensor] = []
         self.committed = False  # the tree owns the slots now: a late error must not free them
 
     def ensure(self, total: int) -> None:
@@ -76,7 +75,6 @@ class _SlotBuffer:
         if missing <= 0:
             return
         new = self.engine.alloc(missing)
-        self.owned.append(new)
         self.slots = torch.cat((self.slots, new))
 
     def owned_tensor(self) -> torch.Tensor:

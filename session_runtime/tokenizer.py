@@ -3,6 +3,7 @@ or a local model folder's tokenizer.json, both loaded with `tokenizers`."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +19,22 @@ class Tokenizer:
     name: str
     digest: str  # sha256 prefix of tokenizer.json: part of every cache key
 
+    def __post_init__(self) -> None:
+        # Every step renders the whole history again (prefix-stable, segment-wise):
+        # memoize each segment's ids so a long conversation is not re-tokenized.
+        object.__setattr__(self, "_encode", functools.lru_cache(maxsize=8192)(
+            lambda text: tuple(self.inner.encode(text, add_special_tokens=False).ids)))
+        object.__setattr__(self, "_encode_text", functools.lru_cache(maxsize=8192)(
+            lambda text: tuple(self.plain.encode(text, add_special_tokens=False).ids)))
+
     def encode(self, text: str) -> list[int]:
         """Ids of template text: added tokens written in it (<think>, ...) match."""
-        return self.inner.encode(text, add_special_tokens=False).ids
+        return list(self._encode(text))
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of user, tool or model text: a control token spelled out in it stays
         plain text, so no input can forge the template's structure."""
-        return self.plain.encode(text, add_special_tokens=False).ids
+        return list(self._encode_text(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=False)
