@@ -1,6 +1,6 @@
 """Tool-wait offload benchmark: N agents whose KV is ~3x the device pool, under five policies.
 
-    .venv/bin/python bench/offload.py [--device cpu|cuda] [--agents 12] [--context 2048] [--threads 1] [--seed 0]
+    .venv/bin/python bench/offload.py [--device cpu|cuda] [--model tiny] [--dtype D] [--agents 12] [--context 2048] [--threads 1] [--seed 0]
 
 Writes bench/results/offload.json and .png. Seeded agents (a ~C-token " alpha" system prompt
 under their own tenant, 3-5 forced tool-call steps, exponential tool latencies) run in simulated
@@ -19,6 +19,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -173,9 +174,10 @@ def reload_vs_recompute(cfg: RuntimeConfig) -> list[dict]:
     rt = Runtime(cfg.replace(pool_tokens=max(LATENCY_SIZES) + 4096, max_context=max(LATENCY_SIZES) + 2048),
                  background=False)
     call = {"content": " gamma" * 8, "tool_calls": [{"name": "search", "arguments": {"query": "alpha beta"}}]}
-    rows = []
+    rows, stats = [], rt.engine.host.stats
     for size in (LATENCY_SIZES[0], *LATENCY_SIZES):  # the first pass warms up
         got = {"recompute": [], "reload": []}
+        before = dataclasses.replace(stats)
         for rep in range(LATENCY_REPS):
             cid = rt.create_conversation(" alpha" * size, tenant=f"lat{len(rows)}-{rep}", policy="keep",
                                          offload="never")
@@ -190,11 +192,78 @@ def reload_vs_recompute(cfg: RuntimeConfig) -> list[dict]:
         for how, accs in got.items():
             row |= {f"{how}_ttft_ms": statistics.median(a.ttft_ms for a in accs), f"{how}_host_loaded":
                     accs[0].host_loaded_tokens, f"{how}_recomputed": accs[0].recomputed_history_tokens}
+        row |= transfer_rates(before, stats, rt.engine.mover.pinned)
         rows.append(row)
         print(f"  ctx {size:>5}: reload {row['reload_ttft_ms']:7.1f} ms  "
-              f"recompute {row['recompute_ttft_ms']:7.1f} ms", flush=True)
+              f"recompute {row['recompute_ttft_ms']:7.1f} ms  to host {row['d2h_GBps']:.1f} GB/s  "
+              f"to device {row['h2d_GBps']:.1f} GB/s (ceiling {row['h2d_ceiling_GBps']:.1f})", flush=True)
+    overlap = copy_overlap(rt, max(LATENCY_SIZES))
     rt.close()
-    return rows[1:]
+    return rows[1:], overlap
+
+
+def copy_overlap(rt: Runtime, tokens: int) -> dict:
+    """A reload of `tokens` (host -> device, in a worker thread as the offload worker
+    does) while the main thread computes: wall time of both against each alone.
+    overlap_ratio 1.0 means the two ran one after the other."""
+    mover, alloc = rt.engine.mover, rt.engine.pools.allocator
+    slots = rt.engine.alloc(tokens)
+    host = mover.to_host(slots)
+    device = rt.engine.device
+    a = torch.randn(1024, 1024, device=device)
+
+    def compute(n: int) -> None:
+        x = a
+        for _ in range(n):
+            x = torch.tanh(x @ a)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    compute(1)  # warm-up
+    copy_s = min(timed(lambda: mover.to_device(host, slots)) for _ in range(3))
+    n = max(1, round(copy_s / min(timed(lambda: compute(1)) for _ in range(3))))  # compute as long as the copy
+    compute_s = min(timed(lambda: compute(n)) for _ in range(3))
+
+    def both() -> None:
+        worker = threading.Thread(target=mover.to_device, args=(host, slots))
+        worker.start()
+        time.sleep(0.002)  # let the copy be queued first: on CUDA it waits for compute queued before it
+        compute(n)
+        worker.join()
+
+    both_s = min(timed(both) for _ in range(3))
+    alloc.free(slots)
+    return {"tokens": tokens, "bytes": host.nbytes, "copy_ms": copy_s * 1e3, "compute_ms": compute_s * 1e3,
+            "both_ms": both_s * 1e3, "overlap_ratio": both_s / (copy_s + compute_s),
+            "copy_stream": mover.stream is not None, "pinned": mover.pinned}
+
+
+def transfer_rates(before, after, pinned: bool) -> dict:
+    """Achieved GB/s of the demotions and reloads since `before`, and the copy ceiling:
+    one contiguous copy of the same bytes host -> device (pinned on CUDA; on CPU a memcpy)."""
+    moved = after.promoted_bytes - before.promoted_bytes
+    up_ms, down_ms = after.promote_ms - before.promote_ms, after.demote_ms - before.demote_ms
+    return {"d2h_GBps": (after.demoted_bytes - before.demoted_bytes) / down_ms / 1e6,
+            "h2d_GBps": moved / up_ms / 1e6, "h2d_ceiling_GBps": copy_ceiling_GBps(moved // LATENCY_REPS, pinned)}
+
+
+def copy_ceiling_GBps(nbytes: int, pinned: bool, reps: int = 5) -> float:
+    device = "cuda" if pinned else "cpu"
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = []
+    for _ in range(reps + 1):  # the first copy warms up
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=pinned)
+        if pinned:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t)
+    return nbytes / min(seconds[1:]) / 1e9
 
 
 def plot(result: dict, path: Path) -> None:
@@ -224,7 +293,8 @@ def plot(result: dict, path: Path) -> None:
     c.set_xscale("log", base=2)
     c.set_yscale("log")
     c.set(xlabel="context (tokens)", ylabel=f"resume TTFT (ms, median of {LATENCY_REPS})",
-          title="(c) reload vs recompute, one agent")
+          title=f"(c) reload vs recompute, one agent\nat {rows[-1]['context']}: to device {rows[-1]['h2d_GBps']:.1f} GB/s, "
+                f"ceiling {rows[-1]['h2d_ceiling_GBps']:.1f}; to host {rows[-1]['d2h_GBps']:.1f} GB/s")
     c.legend()
     fig.suptitle(f"tool-wait offload, {result['agents']} agents x {result['context']} tokens on {result['device']} "
                  f"({result['threads']} threads, load {result['loadavg_1m']['start']:.1f})")
@@ -235,6 +305,8 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default="tiny", help="a preset (qwen3-0.6b on a GPU) or a local HF folder")
+    ap.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on cuda by default")
     ap.add_argument("--agents", type=int, default=12)
     ap.add_argument("--context", type=int, default=2048, help="system prompt tokens per agent")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
@@ -245,7 +317,8 @@ def main() -> None:
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     agents = make_agents(args)
     pool = args.agents * args.context // 3 // PS * PS
-    cfg = RuntimeConfig(model="tiny", device=args.device, page_size=PS, pool_tokens=pool, seed=args.seed,
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    cfg = RuntimeConfig(model=args.model, dtype=dtype, device=args.device, page_size=PS, pool_tokens=pool, seed=args.seed,
                         host_pool_tokens=args.agents * (args.context + 2048), max_context=args.context + 2048)
     sims = [Sim(m, cfg, agents) for m in MODES]
     print(f"{len(sims)} runtimes built ({time.perf_counter() - t0:.1f}s); pool {pool} tokens", flush=True)
@@ -266,7 +339,7 @@ def main() -> None:
     for s in sims:
         s.rt.close()
     del sims, live, s  # free five decoders and pools before the latency runtime
-    latency = reload_vs_recompute(cfg)
+    latency, overlap = reload_vs_recompute(cfg)
     offloaders = [policies[m] for m in ("always", "ttl", "pressure")]
     targets = {
         "zero_recompute_with_host_room": {
@@ -278,20 +351,27 @@ def main() -> None:
     result = {
         "command": " ".join([".venv/bin/python", *["-P"] * sys.flags.safe_path, *sys.argv]), "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "agents": args.agents, "context": args.context, "seed": args.seed,
+        "threads": torch.get_num_threads(), "model": args.model, "dtype": dtype, "agents": args.agents,
+        "context": args.context, "seed": args.seed,
         "config": {"pool_tokens": pool, "host_pool_tokens": cfg.host_pool_tokens, "page_size": PS,
                    "bytes_per_token": bytes_per_token, "tool_mean_s": TOOL_MEAN_S, "arrival_mean_s": ARRIVAL_MEAN_S,
                    "ttl_s": TTL_S, "min_free_fraction": OffloadSettings().min_free_fraction},
         "working_set_over_pool": args.agents * args.context / pool, "targets": targets,
         "note": ("On CPU the host tier is host memory too: reload is a memcpy between CPU tensors, recompute the "
-                 "tiny model's prefill (on a GPU reload crosses PCIe). recomputed_tokens includes each step's partial "
+                 "model's prefill; on a GPU reload crosses PCIe from pinned buffers on a copy stream. "
+                 "reload_vs_recompute rows give the achieved GB/s each way and the ceiling: one contiguous "
+                 "host->device copy of the same bytes. copy_overlap: one reload in a worker thread while the main "
+                 "thread computes; overlap_ratio is both's wall time over the sum of each alone (1.0: no overlap). "
+                 "recomputed_tokens includes each step's partial "
                  "last page (page_tail_tokens, < page_size per step), recomputed under every policy; "
                  "offload_recomputed_tokens is the rest. Resume TTFT is the successful attempt's; a failed step "
                  "computes nothing, its cost is simulated: stall_sim_s, and a later sim_end_s (makespan). "
                  "tokens_per_s: workload_tokens (final sequences) per wall second of the policy's events."),
-        "policies": policies, "reload_vs_recompute": latency,
+        "policies": policies, "reload_vs_recompute": latency, "copy_overlap": overlap,
         "wall_s": time.perf_counter() - t0, "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]}}
     write_report("offload", result, plot)
+    print(f"copy/compute overlap: {overlap['overlap_ratio']:.2f} (copy {overlap['copy_ms']:.1f} ms, compute "
+          f"{overlap['compute_ms']:.1f} ms, both {overlap['both_ms']:.1f} ms)")
     print(f"targets: {({k: v['met'] for k, v in targets.items()})}  wall {result['wall_s']:.1f}s -> {RESULTS}")
 
 

@@ -1,13 +1,13 @@
 """Host tier: KV of waiting conversations kept in host memory.
 
 A conversation's exclusive chain tail (nodes no other chain needs) is copied to
-the host with SGLang's `get_cpu_copy` and its device pages are freed; the copy
-comes back with `load_cpu_copy` before the conversation's next prefill.
-Both calls move the pool's own bytes, so a reload is bit-identical.
+the host by `kv_copy.KVMover` (pinned buffers and a copy stream on CUDA) and its
+device pages are freed; the copy comes back before the conversation's next
+prefill. The bytes are the pool's own, so a reload is bit-identical.
 
-HiCache's host pools (`memory_pool_host.py`) need CUDA transfer kernels; these
-two calls run on CPU and GPU alike. Pinned buffers and copy streams on a GPU
-are not done yet: on CUDA the copies are synchronous device<->pageable copies.
+HiCache's host pools (`memory_pool_host.py`) need CUDA transfer kernels and
+copy between fixed host pages; here each tail is one host buffer, held until
+the tier needs its room (least recently stored first).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
+from radix_ext.kv_copy import HostKV
+
 
 @dataclass
 class HostEntry:
@@ -28,13 +30,28 @@ class HostEntry:
     anchor_tokens: int  # depth of the device node the tail hangs from
     anchor_node_id: int
     tokens: array
-    kv: object  # SGLang CPU copy: per layer, per chunk, [k, v]
-    nbytes: int
+    kv: HostKV
     prefix: array = field(default_factory=lambda: array("q"))  # the anchor path's tokens
     # Write-through: after a reload the copy stays, so the tail is on the device
     # and the host ("both") and a later demotion copies only what was added.
     on_device: bool = False
     node_id: int = 0  # stable negative id in tree snapshots, set by HostTier.put
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+
+@dataclass(frozen=True)
+class EvictedTail:
+    """A waiting conversation's tail whose KV is gone from the device and the
+    host (dropped for room, or discarded): its next step recomputes it."""
+
+    owner: str
+    anchor_tokens: int
+    anchor_node_id: int
+    tokens: array
+    node_id: int
 
 
 @dataclass
@@ -53,10 +70,10 @@ class HostTier:
     """A bounded map owner -> HostEntry, least recently stored dropped first."""
 
     capacity_tokens: int
-    bytes_per_token: int
     entries: "OrderedDict[str, HostEntry]" = field(default_factory=OrderedDict)
     stats: TransferStats = field(default_factory=TransferStats)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    evicted: dict[str, EvictedTail] = field(default_factory=dict)  # owner -> its lost tail
     _stored: int = 0
     _used: int = 0  # tokens held, kept with the entries (readable without the lock)
 
@@ -82,16 +99,35 @@ class HostTier:
                 self._used -= len(old.tokens)
                 if not old.on_device:  # a write-through copy is not the only one
                     self.stats.lost_tokens += len(old.tokens)
+                    self._evict(owner, old.anchor_tokens, old.anchor_node_id, old.tokens)
                     lost.append(owner)
             self._used += len(entry.tokens)
-            self._stored += 1
-            entry.node_id = -self._stored
+            entry.node_id = self._next_id()
             self.entries[entry.owner] = entry
+            self.evicted.pop(entry.owner, None)
             copied = len(entry.tokens) if copied_tokens is None else copied_tokens
             self.stats.demoted_tokens += copied
             self.stats.demoted_bytes += entry.nbytes * copied // max(len(entry.tokens), 1)
             self.stats.demote_ms += copy_ms
         return lost
+
+    def record_evicted(self, owner: str, anchor_tokens: int, anchor_node_id: int, tokens: array) -> None:
+        """The owner's tail was freed without a host copy (discarded)."""
+        with self.lock:
+            self.stats.lost_tokens += len(tokens)
+            self._evict(owner, anchor_tokens, anchor_node_id, tokens)
+
+    def forget_evicted(self, owner: str) -> None:
+        """The owner's next step ran (it recomputed the tail), or it is gone."""
+        with self.lock:
+            self.evicted.pop(owner, None)
+
+    def _evict(self, owner: str, anchor_tokens: int, anchor_node_id: int, tokens: array) -> None:
+        self.evicted[owner] = EvictedTail(owner, anchor_tokens, anchor_node_id, tokens, self._next_id())
+
+    def _next_id(self) -> int:
+        self._stored += 1
+        return -self._stored
 
     def take(self, owner: str) -> Optional[HostEntry]:
         with self.lock:
@@ -118,15 +154,3 @@ class HostTier:
 def timed_ms(start: float) -> float:
     return (time.perf_counter() - start) * 1e3
 
-
-def concat_copies(a: list, b: list, chunk: int) -> list:
-    """Join two SGLang CPU copies (per layer, per chunk of `chunk` tokens, [k, v])
-    into one with the same chunking, as `load_cpu_copy` expects."""
-    import torch
-
-    out = []
-    for la, lb in zip(a, b):
-        k = torch.cat([c[0] for c in la] + [c[0] for c in lb])
-        v = torch.cat([c[1] for c in la] + [c[1] for c in lb])
-        out.append([[k[i : i + chunk], v[i : i + chunk]] for i in range(0, len(k), chunk)])
-    return out

@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from radix_ext.host_tier import HostTier
+from radix_ext.kv_copy import KVMover
 from radix_ext.pools import KVPools, PoolSpec, build_pools
 from radix_ext.tree import Namespace, ProbeResult, SessionRadixCache
 from session_runtime.accounting import StepAccounting, attention_work
@@ -97,7 +98,8 @@ class Engine(HostTierOps):
             )
         )
         self.tree = SessionRadixCache(self.pools)
-        self.host = HostTier(config.host_pool_tokens, self.pools.spec.bytes_per_token)
+        self.host = HostTier(config.host_pool_tokens)
+        self.mover = KVMover(self.pools.kv)
         self.lock = threading.RLock()
         # Called with the missing token count when even eviction cannot make
         # room: the offload manager demotes waiting conversations there.
@@ -351,6 +353,7 @@ class Engine(HostTierOps):
             self.tree.set_chain(req.owner, node)
         else:
             self.tree.release_chain(req.owner)
+        self.host.forget_evicted(req.owner)  # recomputed, if it had lost its tail
         # Drop the step's own lock on its matched prefix (taken in match_and_lock).
         self.tree.dec_lock_ref(buf.node)
         buf.committed = True

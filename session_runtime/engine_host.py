@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Sequence
 
-from radix_ext.host_tier import HostEntry, concat_copies, timed_ms
+from radix_ext.host_tier import HostEntry, timed_ms
+from radix_ext.kv_copy import HostKV
 from radix_ext.tree import Namespace, NodeInfo, TailPlan
 
 
@@ -26,11 +27,9 @@ class HostTierOps:
             if entry is None:
                 return
             slots = self.alloc(len(entry.tokens))  # PoolExhausted leaves the entry where it was
-        t = time.perf_counter()
-        self.pools.allocator.load_cpu_copy(entry.kv, slots)
-        self._sync()
+        copy_ms = self._copy_in(entry, slots)
         with self.lock:
-            done = self._restore(owner, namespace, prompt, entry, slots, t)
+            done = self._restore(owner, namespace, prompt, entry, slots, copy_ms)
             if done is not None:
                 self._reloaded[owner] = done
 
@@ -41,10 +40,13 @@ class HostTierOps:
         if entry is None:
             return 0, 0
         slots = self.alloc(len(entry.tokens))
+        return self._restore(owner, namespace, prompt, entry, slots, self._copy_in(entry, slots)) or (0, 0)
+
+    def _copy_in(self, entry: HostEntry, slots) -> float:
+        """Copy the entry into `slots`; returns the copy's milliseconds."""
         t = time.perf_counter()
-        self.pools.allocator.load_cpu_copy(entry.kv, slots)
-        self._sync()
-        return self._restore(owner, namespace, prompt, entry, slots, t) or (0, 0)
+        self.mover.to_device(entry.kv, slots)
+        return timed_ms(t)
 
     def _reloadable(self, owner: str, prompt: list[int]) -> Optional[HostEntry]:
         """The owner's host-only entry if the prompt continues it; a stale one is dropped."""
@@ -59,7 +61,7 @@ class HostTierOps:
         return entry
 
     def _restore(self, owner, namespace: Namespace, prompt: list[int], entry: HostEntry, slots,
-                 t: float) -> Optional[tuple[int, int]]:
+                 copy_ms: float) -> Optional[tuple[int, int]]:
         """Insert reloaded slots under the chain. Returns (first reloaded position,
         tokens the device did not already hold), or None when the copy went stale."""
         start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
@@ -72,7 +74,7 @@ class HostTierOps:
         prefix_len = self.tree.restore_tail(owner, namespace.key(prompt[:end]), slots)
         if prefix_len > start:  # someone cached the same tokens meanwhile
             self.pools.allocator.free(slots[: prefix_len - start])
-        self.host.record_promote(entry, timed_ms(t))
+        self.host.record_promote(entry, copy_ms)
         entry.on_device = True  # write-through: the host copy stays until it is reused or dropped
         # Tokens another chain had cached meanwhile came from the device, not the host.
         first = max(start, prefix_len)
@@ -91,12 +93,11 @@ class HostTierOps:
             plan, reuse = self._plan(owner) if still_waiting() else (None, None)
             if plan is None:
                 return 0
-        t = time.perf_counter()
-        kv = self._copy_out(plan, reuse)
+        kv, copy_ms = self._copy_out(plan, reuse)
         with self.lock:
             if not still_waiting():
                 return 0
-            return self._finish_demote(plan, reuse, kv, t)
+            return self._finish_demote(plan, reuse, kv, copy_ms)
 
     def discard(self, owner: str, still_waiting: Callable[[], bool] = lambda: True) -> int:
         """Free the owner's exclusive chain tail without a host copy: the next step
@@ -105,8 +106,9 @@ class HostTierOps:
             plan = self.tree.plan_demote(owner) if still_waiting() else None
             if plan is None:
                 return 0
+            anchor_depth = self.tree.chain_tokens(owner) - len(plan.tokens)
             self.tree.drop_tail(plan)
-            self.host.stats.lost_tokens += len(plan.tokens)
+            self.host.record_evicted(owner, anchor_depth, plan.anchor.id, plan.tokens)
             return len(plan.tokens)
 
     def demote_locked(self, owner: str, still_waiting: Callable[[], bool] = lambda: True) -> int:
@@ -115,8 +117,7 @@ class HostTierOps:
             plan, reuse = self._plan(owner) if still_waiting() else (None, None)
             if plan is None:
                 return 0
-            t = time.perf_counter()
-            return self._finish_demote(plan, reuse, self._copy_out(plan, reuse), t)
+            return self._finish_demote(plan, reuse, *self._copy_out(plan, reuse))
 
     def _plan(self, owner: str) -> tuple[Optional[TailPlan], Optional[HostEntry]]:
         old = self.host.peek(owner)
@@ -133,22 +134,26 @@ class HostTierOps:
         ) else None
         return plan, reuse
 
-    def _copy_out(self, plan: TailPlan, reuse: Optional[HostEntry]):
+    def _copy_out(self, plan: TailPlan, reuse: Optional[HostEntry]) -> tuple[Optional[HostKV], float]:
+        """Copy what the host does not hold yet; returns (copy or None, milliseconds)."""
         done = len(reuse.tokens) if reuse is not None else 0
-        return self.pools.allocator.get_cpu_copy(plan.slots[done:]) if done < len(plan.slots) else None
+        if done == len(plan.slots):
+            return None, 0.0
+        t = time.perf_counter()
+        return self.mover.to_host(plan.slots[done:]), timed_ms(t)
 
-    def _finish_demote(self, plan: TailPlan, reuse: Optional[HostEntry], kv, t: float) -> int:
+    def _finish_demote(self, plan: TailPlan, reuse: Optional[HostEntry], kv: Optional[HostKV], copy_ms: float) -> int:
         if not self.tree.plan_still_valid(plan) or (reuse is not None and self.host.peek(plan.owner) is not reuse):
             return 0
         copied = len(plan.tokens) - (len(reuse.tokens) if reuse is not None else 0)
         if reuse is not None and kv is not None:
-            kv = concat_copies(reuse.kv, kv, self.pools.kv.cpu_offloading_chunk_size)
+            kv = self.mover.join(reuse.kv, kv)
         elif reuse is not None:
             kv = reuse.kv
         anchor_depth = self.tree.chain_tokens(plan.owner) - len(plan.tokens)
         entry = HostEntry(plan.owner, anchor_depth, plan.anchor.id, plan.tokens, kv,
-                          len(plan.tokens) * self.bytes_per_token, prefix=self.tree.path_tokens(plan.anchor))
-        self.host.put(entry, timed_ms(t), copied_tokens=copied)
+                          prefix=self.tree.path_tokens(plan.anchor))
+        self.host.put(entry, copy_ms, copied_tokens=copied)
         self.tree.drop_tail(plan)
         return len(plan.tokens)
 
@@ -180,13 +185,16 @@ class HostTierOps:
         return frozenset(out)
 
     def host_nodes(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
-        """Offloaded tails as snapshot nodes (residency "host"), hanging from their anchors."""
+        """Offloaded tails (residency "host") and lost ones ("evicted", until the
+        owner's next step recomputes them) as snapshot nodes under their anchors."""
         with self.host.lock:
-            entries = [e for e in self.host.entries.values() if not e.on_device]
+            tails = [(e, "host") for e in self.host.entries.values() if not e.on_device]
+            tails += [(e, "evicted") for e in self.host.evicted.values()]
         return [
             NodeInfo(id=e.node_id, parent=e.anchor_node_id if e.anchor_tokens else None, tokens=len(e.tokens),
                      depth_tokens=e.anchor_tokens + len(e.tokens), preview=preview(list(e.tokens[:16])),
-                     hit_count=0, lock_count=0, last_access_age_s=0.0, residency="host",
+                     hit_count=0, lock_count=0, last_access_age_s=0.0, residency=residency,
                      owners=(e.owner,), namespace=None)
-            for e in entries if owner is None or e.owner == owner
+            for e, residency in tails
+            if (owner is None or e.owner == owner) and self.tree.chain_tokens(e.owner) == e.anchor_tokens
         ]

@@ -72,10 +72,11 @@ class OffloadManager:
                 self.cond.notify_all()
 
     def forget(self, owner: str) -> None:
-        """The conversation is gone: drop its host copy too."""
+        """The conversation is gone: drop its host copy (or its record of a lost one) too."""
         self.wait_ended(owner)
         with self.engine.lock:  # after any demotion that passed its guard has finished
             self.engine.host.take(owner)
+            self.engine.host.forget_evicted(owner)
 
     def free_fraction(self) -> float:
         """Device pages free or reclaimable (unlocked cache) over the pool."""

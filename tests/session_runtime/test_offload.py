@@ -52,7 +52,7 @@ def test_round_trip_is_bit_identical(rt):
     assert eng.tree.chain_tokens(cid) == 0
     assert eng.pools.allocator.available_size() == free_before + moved
     entry = eng.host.peek(cid)
-    host = [(torch.cat([c[0] for c in layer]), torch.cat([c[1] for c in layer])) for layer in entry.kv]
+    host = zip(entry.kv.k, entry.kv.v)
     for (k0, v0), (k1, v1) in zip(original, host):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     snap = {n.residency for n in rt.tree_snapshot(cid)}
@@ -122,7 +122,10 @@ def test_host_tier_loss_is_recomputed():
         assert tiny_host.offload.run_due() == 144  # pushes a's copy out: the host holds 160
         assert tiny_host.engine.host.peek(a) is None
         assert tiny_host.engine.host.stats.lost_tokens == 144
+        lost = [(n.residency, n.tokens, n.owners) for n in tiny_host.tree_snapshot(a)]
+        assert lost == [("evicted", 144, (a,))]
         ra = resume(tiny_host, a, sa)
+        assert {n.residency for n in tiny_host.tree_snapshot(a)} == {"device"}  # recomputed
         assert ra.accounting.host_loaded_tokens == 0
         # Everything before the tool results was computed once and lost: recomputed.
         assert ra.accounting.recomputed_history_tokens == sa.accounting.prompt_tokens + sa.accounting.output_tokens
@@ -177,6 +180,11 @@ class OffloadMachine(RuleBasedStateMachine):
     def demote_one(self, data):
         self.rt.engine.demote(data.draw(st.sampled_from(sorted(self.pending))))
 
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def discard_one(self, data):
+        self.rt.engine.discard(data.draw(st.sampled_from(sorted(self.pending))))
+
     @rule(n=st.integers(1, 512))
     def evict(self, n):
         with self.rt.engine.lock:
@@ -194,6 +202,9 @@ class OffloadMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.rt.check_integrity()
+        host = self.rt.engine.host
+        assert set(host.evicted) <= set(self.pending), "a lost tail is recorded only while its owner waits"
+        assert not set(host.evicted) & {o for o, e in host.entries.items() if not e.on_device}
 
     def teardown(self):
         for cid in list(self.rt.conversations):
@@ -238,4 +249,19 @@ def test_write_through_copy_is_reused(rt):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     rt.delete_conversation(cid)
     assert eng.host.peek(cid) is None
+    rt.check_integrity()
+
+
+def test_discarded_tail_shows_as_evicted_until_recomputed(rt):
+    cid, step = tool_step(rt, "discarded", offload="never")
+    freed = rt.engine.discard(cid)
+    assert freed == 144
+    assert [(n.residency, n.tokens) for n in rt.tree_snapshot(cid)] == [("evicted", 144)]
+    nxt = resume(rt, cid, step)
+    assert nxt.accounting.recomputed_history_tokens == step.accounting.prompt_tokens + step.accounting.output_tokens
+    assert "evicted" not in {n.residency for n in rt.tree_snapshot(cid)}
+    cid2, _ = tool_step(rt, "discarded-deleted", offload="never")
+    rt.engine.discard(cid2)
+    rt.delete_conversation(cid2)
+    assert cid2 not in rt.engine.host.evicted
     rt.check_integrity()

@@ -34,18 +34,18 @@ def test_a_split_inside_the_tail_during_the_copy_cancels_the_demotion(rt):
     assert len(rt.engine.tree.plan_demote(x).nodes) == 2
     y = rt.create_conversation(system=words(40), tenant="t", policy="engine_default", offload="never")
     y1 = tool_turn(rt, y)
-    alloc = rt.engine.pools.allocator
-    original = alloc.get_cpu_copy
+    mover = rt.engine.mover
+    original = mover.to_host
 
-    def copy_while_another_step_runs(slots, *a, **k):
-        out = original(slots, *a, **k)
-        alloc.get_cpu_copy = original
+    def copy_while_another_step_runs(slots):
+        out = original(slots)
+        mover.to_host = original
         # Y's step shares X's tail up to inside its second node: it splits it.
         rt.send_tool_results(y, [{"tool_call_id": y1.tool_calls[0]["id"], "content": common + " yy"}],
                              forced={"content": words(3)})
         return out
 
-    alloc.get_cpu_copy = copy_while_another_step_runs
+    mover.to_host = copy_while_another_step_runs
     assert rt.offload.run_due() == 0
     rt.check_integrity()
 
