@@ -1,11 +1,13 @@
 """Engine benchmark: prefill/decode speed and the session layer's share of a step.
 
     .venv/bin/python bench/engine.py [--device cpu|cuda] [--model tiny] [--contexts 1024,8192,32768]
+                                     [--attention auto|sdpa|flashinfer|paged-reference]
 
-Writes bench/results/engine.json and bench/results/engine.png. One conversation
-is grown through the context sizes in order (forced empty output, so growth is
-pure prefill), and at each size several agent steps are timed: the previous
-sequence plus 16 new tokens, then 8 greedy decode tokens. `session_ms` is the
+Writes bench/results/engine.json (with the attention backend that ran) and
+bench/results/engine.png. One conversation is grown through the context sizes
+in order (forced empty output, so growth is pure prefill), and at each size
+several agent steps are timed: the previous sequence plus 16 new tokens, then
+8 greedy decode tokens. `session_ms` is the
 engine's own split: step time minus decoder forwards and sampling.
 """
 
@@ -25,9 +27,9 @@ from typing import Callable
 import torch
 
 from radix_ext.tree import Namespace
-from session_runtime.config import RuntimeConfig
+from session_runtime.config import ATTENTION_BACKENDS, RuntimeConfig
 from session_runtime.engine import Engine, StepRequest
-from session_runtime.model.weights import build_decoder
+from session_runtime.model.weights import decoder_for
 from session_runtime.sampling import SamplingParams
 
 from report import RESULTS, write_report  # noqa: E402  (bench/ is on sys.path when run)
@@ -45,9 +47,9 @@ def token_source(seed: int) -> Tokens:
 
 
 def build_engine(args, max_ctx: int) -> Engine:
-    cfg = RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, page_size=16,
-                        max_context=max_ctx + 4096, pool_tokens=max_ctx + 16384)
-    return Engine(cfg, build_decoder(cfg.model, cfg.seed, cfg.torch_dtype, cfg.device))
+    cfg = RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, attention=args.attention,
+                        page_size=16, max_context=max_ctx + 4096, pool_tokens=max_ctx + 16384)
+    return Engine(cfg, decoder_for(cfg))
 
 
 def step(eng: Engine, owner: str, prompt: list[int], max_tokens: int = 0, forced=None):
@@ -168,7 +170,8 @@ def plot(result: dict, path: Path) -> None:
     b.set_title(f"(b) agent step: +16 prompt, 8 decode; target < {TARGET_PCT:g}% at 8k")
     b.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize=8)
     where = result["gpu"] if result["device"] == "cuda" else f"{result['threads']} torch threads"
-    fig.suptitle(f"engine benchmark: model {result['model']} on {result['device']} ({where})")
+    fig.suptitle(f"engine benchmark: model {result['model']} on {result['device']} ({where}), "
+                 f"attention {result['attention']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -179,6 +182,8 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--attention", default=RuntimeConfig.attention, choices=ATTENTION_BACKENDS,
+                    help="auto: flashinfer on cuda where it runs, else torch SDPA")
     ap.add_argument("--contexts", default="1024,8192,32768", help="comma-separated context sizes, in tokens")
     ap.add_argument("--steps", type=int, default=5, help="timed agent steps per context")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of the speed test")
@@ -193,7 +198,8 @@ def main() -> None:
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     eng = build_engine(args, max(contexts))
     toks = token_source(args.seed)
-    print(f"engine built on {args.device} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    print(f"engine built on {args.device}, attention {eng.decoder.attention.name} "
+          f"({time.perf_counter() - t0:.1f}s)", flush=True)
     speed = bench_speed(eng, toks, prefill_len=2048, decode_len=64, reps=args.reps)
     print(f"  prefill {speed['prefill_tok_s']:,.0f} tok/s, decode {speed['decode_tok_s']:,.1f} tok/s", flush=True)
     rows = bench_contexts(eng, toks, contexts, args.steps, args.profile)
@@ -202,6 +208,7 @@ def main() -> None:
     at_target = next((r for r in rows if r["context"] == TARGET_CTX), None)
     result = {
         "device": args.device, "model": args.model, "dtype": args.dtype,
+        "attention": eng.decoder.attention.name,  # the backend that ran ("auto" resolved)
         "torch": torch.__version__, "threads": torch.get_num_threads(), "host": platform.processor() or platform.machine(),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "config": {k: getattr(eng.config, k) for k in ("page_size", "pool_tokens", "max_context", "prefill_chunk", "dtype")},

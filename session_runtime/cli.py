@@ -9,7 +9,7 @@ import sys
 import time
 import warnings
 
-from session_runtime.config import PRESETS, RuntimeConfig
+from session_runtime.config import ATTENTION_BACKENDS, PRESETS, RuntimeConfig
 
 _DEFAULTS = RuntimeConfig()
 
@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face folder")
     serve.add_argument("--device", default=_DEFAULTS.device, help="cpu or cuda")
     serve.add_argument("--dtype", default=_DEFAULTS.dtype, help="float32, bfloat16 or float16")
+    serve.add_argument("--attention", default=_DEFAULTS.attention, choices=ATTENTION_BACKENDS,
+                       help="auto: flashinfer on cuda where it runs, else torch SDPA")
     serve.add_argument("--page-size", type=int, default=_DEFAULTS.page_size)
     serve.add_argument("--pool-tokens", type=int, default=_DEFAULTS.pool_tokens, help="device KV pool size")
     serve.add_argument("--host-pool-tokens", type=int, default=_DEFAULTS.host_pool_tokens,
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(
-        model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+        model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
         policy=args.policy, template=args.template, data_dir=args.data_dir or None,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload,
@@ -78,7 +80,8 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(runtime)
     print(
         f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
-        f"http://{args.host}:{args.port} (page size {config.page_size}, pool {config.pool_tokens} tokens)",
+        f"http://{args.host}:{args.port} (page size {config.page_size}, pool {config.pool_tokens} tokens, "
+        f"attention {runtime.engine.decoder.attention.name})",
         flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -68,6 +68,8 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# auto: flashinfer on cuda where it runs, else torch SDPA (see model/attention.py).
+ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer", "paged-reference")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class RuntimeConfig:
     model: str = "tiny"  # a preset name or a local Hugging Face folder
     device: str = "cpu"
     dtype: str = "float32"
+    attention: str = "auto"  # one of ATTENTION_BACKENDS
     page_size: int = 16
     pool_tokens: int = 65536
     host_pool_tokens: int = 262144  # host-tier capacity for offloaded KV
@@ -101,6 +104,8 @@ class RuntimeConfig:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

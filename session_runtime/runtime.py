@@ -24,7 +24,7 @@ from session_runtime.engine import Engine, StepRequest, StepResult
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest, ToolCallConflict
 from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadManager, OffloadSettings
-from session_runtime.model.weights import build_decoder
+from session_runtime.model.weights import decoder_for
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
@@ -46,8 +46,7 @@ class Runtime(RuntimeInspection):
         if self.config.template == "auto":
             qwen = self.tokenizer.inner.token_to_id("<|im_start|>") is not None
             self.config = self.config.replace(template="qwen3" if qwen else "deepseek")
-        decoder = build_decoder(self.config.model, self.config.seed, self.config.torch_dtype,
-                                self.config.device, min_vocab=self.tokenizer.vocab_size)
+        decoder = decoder_for(self.config, min_vocab=self.tokenizer.vocab_size)
         if self.tokenizer.vocab_size > decoder.cfg.vocab_size:
             raise InvalidRequest(
                 f"tokenizer has {self.tokenizer.vocab_size} ids, the model only {decoder.cfg.vocab_size}"

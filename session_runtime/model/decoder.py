@@ -4,7 +4,7 @@ Parameter names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`,
 ...), so a `transformers` state dict loads as is and is the correctness oracle.
 One call runs one sequence chunk: q new tokens at given positions, whose K/V
 go to `out_slots`, attending over `ctx_slots` (the whole context, new tokens
-last).
+last). How attention reads the pool is a pluggable backend (`model/attention.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from session_runtime.config import ModelConfig
+from session_runtime.model.attention import AttentionBackend, SdpaAttention
 
 
 class RMSNorm(nn.Module):
@@ -69,7 +70,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, batch: "ForwardBatch") -> torch.Tensor:
+    def forward(self, x, cos, sin, batch: "ForwardBatch", attention: AttentionBackend) -> torch.Tensor:
         q_len = x.shape[0]
         q = self.q_proj(x).view(q_len, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(q_len, self.num_kv_heads, self.head_dim)
@@ -79,16 +80,8 @@ class Attention(nn.Module):
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         pool = batch.kv_pool
         pool.set_kv_buffer(None, batch.out_slots, k, v, layer_id_override=self.layer_id)
-        keys = pool.get_key_buffer(self.layer_id)[batch.ctx_slots]
-        values = pool.get_value_buffer(self.layer_id)[batch.ctx_slots]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=batch.mask,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(q_len, -1))
+        out = attention.attend(q, pool.get_key_buffer(self.layer_id), pool.get_value_buffer(self.layer_id))
+        return self.o_proj(out.reshape(q_len, -1))
 
 
 class MLP(nn.Module):
@@ -110,8 +103,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, batch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
+    def forward(self, h, cos, sin, batch, attention) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, attention)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -126,21 +119,15 @@ class Backbone(nn.Module):
 class ForwardBatch:
     """One chunk of one sequence: where its K/V go and what it attends over."""
 
-    __slots__ = ("kv_pool", "out_slots", "ctx_slots", "mask")
+    __slots__ = ("kv_pool", "positions", "out_slots", "ctx_slots")
 
     def __init__(self, kv_pool, positions: torch.Tensor, out_slots: torch.Tensor, ctx_slots: torch.Tensor):
         self.kv_pool = kv_pool
+        self.positions = positions
         self.out_slots = out_slots
         self.ctx_slots = ctx_slots
-        q_len, n_ctx = len(positions), len(ctx_slots)
-        assert len(out_slots) == q_len, "one output slot per new token"
-        assert int(positions[-1]) == n_ctx - 1, "the new tokens must end the context"
-        if q_len == 1:
-            self.mask = None  # a single query sees the whole context
-        else:
-            # Query i sits at position positions[i] and may see keys 0..positions[i].
-            key_pos = torch.arange(n_ctx, device=positions.device)
-            self.mask = (key_pos[None, :] <= positions[:, None])[None, None]
+        assert len(out_slots) == len(positions), "one output slot per new token"
+        assert int(positions[-1]) == len(ctx_slots) - 1, "the new tokens must end the context"
 
 
 class Decoder(nn.Module):
@@ -154,6 +141,11 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope: Rope | None = None
+        self.attention: AttentionBackend = SdpaAttention()
+
+    def set_attention(self, backend: AttentionBackend) -> None:
+        """Use `backend` for every later forward (SDPA until then)."""
+        self.attention = backend
 
     @torch.inference_mode()
     def forward(
@@ -169,10 +161,11 @@ class Decoder(nn.Module):
         if self._rope is None:
             self._rope = Rope(self.cfg.head_dim, self.cfg.rope_theta, input_ids.device)
         batch = ForwardBatch(kv_pool, positions, out_slots, ctx_slots)
+        self.attention.begin(batch)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._rope.cos_sin(positions, h.dtype)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, batch)
+            h = layer(h, cos, sin, batch, self.attention)
         if not all_logits:
             h = h[-1:]
         return self.lm_head(self.model.norm(h)).float()

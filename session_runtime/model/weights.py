@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from session_runtime.config import PRESETS, ModelConfig
+from session_runtime.config import PRESETS, ModelConfig, RuntimeConfig
 from session_runtime.errors import InvalidRequest
+from session_runtime.model.attention import make_attention
 from session_runtime.model.decoder import Decoder
 
 _ARCHS = {"qwen3": "qwen3", "llama": "llama"}
@@ -97,3 +98,10 @@ def build_decoder(model: str, seed: int, dtype: torch.dtype, device: str, min_vo
         f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
         f"folder with config.json (cwd {os.getcwd()})"
     )
+
+
+def decoder_for(config: RuntimeConfig, min_vocab: int = 0) -> Decoder:
+    """The configured model (`build_decoder`) with its attention backend."""
+    decoder = build_decoder(config.model, config.seed, config.torch_dtype, config.device, min_vocab)
+    decoder.set_attention(make_attention(config.attention, decoder.cfg, config.torch_dtype, config.device))
+    return decoder

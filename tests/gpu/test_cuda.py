@@ -1,6 +1,7 @@
-"""GPU checks: the qwen3-0.6b shape in bf16 on CUDA against transformers, and the
-host round trip on CUDA. Skipped where there is no GPU (CI, this project's CPU
-machines); `bench/gpu.sh` runs them on a lent GPU."""
+"""GPU checks: the qwen3-0.6b shape in bf16 on CUDA against transformers,
+flashinfer attention against SDPA, and the host round trip on CUDA. Skipped
+where there is no GPU (CI, this project's CPU machines); `bench/gpu.sh` runs
+them on a lent GPU."""
 
 from __future__ import annotations
 
@@ -58,6 +59,51 @@ def test_bf16_oracle_cold_prefix_and_decode(pair):
         ref_dec = hf(torch.tensor([seq], device="cuda")).logits[0]
     assert rel(dec.logits[-7:], ref_dec[-7:]) < 3e-2
     eng.check_integrity()
+
+
+def backend_logits(ours, backend, ids: list[int], slots: torch.Tensor, kv) -> list[torch.Tensor]:
+    """With `backend`: a cold prefill of ids[:700], the rest after the 688 cached
+    (whole pages of 16, so 1000 ends mid-page), then one token at a time (decode)."""
+    from session_runtime.model.attention import SdpaAttention
+
+    def forward(start: int, end: int) -> torch.Tensor:
+        return ours(torch.tensor(ids[start:end], device="cuda"), torch.arange(start, end, device="cuda"),
+                    slots[start:end], slots[:end], kv, all_logits=True)
+
+    ours.set_attention(backend)
+    try:
+        return [forward(0, 700), forward(688, 1000), torch.cat([forward(i, i + 1) for i in range(1000, 1008)])]
+    finally:
+        ours.set_attention(SdpaAttention())
+
+
+def test_flashinfer_matches_sdpa(pair):
+    from radix_ext.pools import PoolSpec, build_pools
+    from session_runtime.model.attention import SdpaAttention, make_attention
+
+    _, ours = pair
+    cfg = ours.cfg
+    pools = build_pools(PoolSpec(pool_tokens=4096, page_size=16, max_running=1, max_context=2048,
+                                 num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                 dtype=torch.bfloat16, device="cuda"))
+    gen = torch.Generator().manual_seed(2)
+    # 63 whole pages in shuffled order: flashinfer must follow kv_indices, not slot order.
+    pages = pools.allocator.alloc(1008).view(63, 16)
+    slots = pages[torch.randperm(63, generator=gen).to(pages.device)].flatten()
+    ids = torch.randint(0, 150000, (1008,), generator=gen).tolist()
+    flashinfer = make_attention("flashinfer", cfg, torch.bfloat16, "cuda")
+    sdpa = backend_logits(ours, SdpaAttention(), ids, slots, pools.kv)
+    fi = backend_logits(ours, flashinfer, ids, slots, pools.kv)
+    for part, (a, b) in zip(("cold", "suffix", "decode"), zip(fi, sdpa)):
+        assert a.shape == b.shape, part
+        assert rel(a, b) < 3e-2, part
+
+
+def test_auto_picks_flashinfer_on_cuda():
+    from session_runtime.config import PRESETS
+    from session_runtime.model.attention import make_attention
+
+    assert make_attention("auto", PRESETS["qwen3-0.6b"], torch.bfloat16, "cuda").name == "flashinfer"
 
 
 def test_host_round_trip_on_cuda_is_bit_identical():
