@@ -208,9 +208,10 @@ def copy_overlap(rt: Runtime, tokens: int) -> dict:
     overlap_ratio 1.0 means the two ran one after the other."""
     mover, alloc = rt.engine.mover, rt.engine.pools.allocator
     slots = rt.engine.alloc(tokens)
-    host = mover.to_host(slots)
+    host = mover.empty(tokens)
+    mover.to_host(slots, host)
     device = rt.engine.device
-    a = torch.randn(1024, 1024, device=device)
+    a = torch.randn(256, 256, device=device) / 16  # a small unit, so the compute can match the copy
 
     def compute(n: int) -> None:
         x = a
@@ -230,9 +231,15 @@ def copy_overlap(rt: Runtime, tokens: int) -> dict:
     compute_s = min(timed(lambda: compute(n)) for _ in range(3))
 
     def both() -> None:
-        worker = threading.Thread(target=mover.to_device, args=(host, slots))
+        started = threading.Event()
+
+        def reload() -> None:
+            started.set()
+            mover.to_device(host, slots)
+
+        worker = threading.Thread(target=reload)
         worker.start()
-        time.sleep(0.002)  # let the copy be queued first: on CUDA it waits for compute queued before it
+        started.wait()  # the copy goes first: on CUDA it waits for compute queued before it
         compute(n)
         worker.join()
 

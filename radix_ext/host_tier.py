@@ -1,13 +1,16 @@
 """Host tier: KV of waiting conversations kept in host memory.
 
 A conversation's exclusive chain tail (nodes no other chain needs) is copied to
-the host by `kv_copy.KVMover` (pinned buffers and a copy stream on CUDA) and its
-device pages are freed; the copy comes back before the conversation's next
-prefill. The bytes are the pool's own, so a reload is bit-identical.
+the host by `kv_copy.KVMover` and its device pages are freed; the copy comes
+back before the conversation's next prefill. The bytes are the pool's own, so
+a reload is bit-identical.
 
-HiCache's host pools (`memory_pool_host.py`) need CUDA transfer kernels and
-copy between fixed host pages; here each tail is one host buffer, held until
-the tier needs its room (least recently stored first).
+The host pool is one arena per K and V, `[layers, capacity, kv_heads,
+head_dim]`, allocated once (pinned on CUDA, as HiCache's host pools are): its
+capacity is the tier's, and no copy allocates host memory. Each tail takes one
+contiguous range of it (first fit), so a copy moves each layer in one transfer.
+Room for a demotion is reserved before the copy; making room drops other
+owners' least recently stored tails (they are recomputed on resume).
 """
 
 from __future__ import annotations
@@ -24,22 +27,33 @@ from radix_ext.kv_copy import HostKV
 
 @dataclass
 class HostEntry:
-    """One conversation's offloaded tail: tokens [anchor, anchor + len(tokens))."""
+    """One conversation's offloaded tail: tokens [anchor, anchor + len(tokens)),
+    held in the arena range [start, start + len(tokens))."""
 
     owner: str
     anchor_tokens: int  # depth of the device node the tail hangs from
     anchor_node_id: int
     tokens: array
-    kv: HostKV
+    start: int
+    kv: HostKV  # views of the arena range
     prefix: array = field(default_factory=lambda: array("q"))  # the anchor path's tokens
     # Write-through: after a reload the copy stays, so the tail is on the device
     # and the host ("both") and a later demotion copies only what was added.
     on_device: bool = False
-    node_id: int = 0  # stable negative id in tree snapshots, set by HostTier.put
+    node_id: int = 0  # stable negative id in tree snapshots, set by HostTier.commit
 
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """An arena range held for one demotion until it commits or is cancelled."""
+
+    owner: str
+    start: int
+    kv: HostKV
 
 
 @dataclass(frozen=True)
@@ -65,51 +79,95 @@ class TransferStats:
     lost_tokens: int = 0  # dropped from the host for room: recomputed on resume
 
 
-@dataclass
-class HostTier:
-    """A bounded map owner -> HostEntry, least recently stored dropped first."""
+class Ranges:
+    """Free ranges of [0, capacity), first fit, merged on release."""
 
-    capacity_tokens: int
-    entries: "OrderedDict[str, HostEntry]" = field(default_factory=OrderedDict)
-    stats: TransferStats = field(default_factory=TransferStats)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    evicted: dict[str, EvictedTail] = field(default_factory=dict)  # owner -> its lost tail
-    _stored: int = 0
-    _used: int = 0  # tokens held, kept with the entries (readable without the lock)
+    def __init__(self, capacity: int):
+        self.free: list[list[int]] = [[0, capacity]] if capacity else []  # [start, length], by start
+
+    def alloc(self, n: int) -> Optional[int]:
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                if length == n:
+                    del self.free[i]
+                else:
+                    self.free[i] = [start + n, length - n]
+                return start
+        return None
+
+    def release(self, start: int, n: int) -> None:
+        i = next((i for i, r in enumerate(self.free) if r[0] > start), len(self.free))
+        self.free.insert(i, [start, n])
+        if i + 1 < len(self.free) and start + n == self.free[i + 1][0]:
+            self.free[i][1] += self.free.pop(i + 1)[1]
+        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == start:
+            self.free[i - 1][1] += self.free.pop(i)[1]
+
+    def free_tokens(self) -> int:
+        return sum(length for _, length in self.free)
+
+
+class HostTier:
+    """Owner -> HostEntry over a bounded arena; least recently stored dropped first."""
+
+    def __init__(self, arena: HostKV):
+        self.arena = arena
+        self.capacity_tokens = len(arena)
+        self.entries: "OrderedDict[str, HostEntry]" = OrderedDict()
+        self.evicted: dict[str, EvictedTail] = {}  # owner -> its lost tail
+        self.stats = TransferStats()
+        self.lock = threading.Lock()
+        self._ranges = Ranges(self.capacity_tokens)
+        self._reserved: dict[int, int] = {}  # start -> length of uncommitted reservations
+        self._stored = 0
+        self._used = 0  # tokens held by entries and reservations (readable without the lock)
 
     @property
     def used_tokens(self) -> int:
         return self._used
 
     def fits(self, tokens: int) -> bool:
-        return tokens <= self.capacity_tokens
+        return 0 < tokens <= self.capacity_tokens
 
-    def put(self, entry: HostEntry, copy_ms: float, copied_tokens: Optional[int] = None) -> list[str]:
-        """Store `entry` (replacing the owner's previous one), dropping the oldest
-        entries for room. Returns the owners whose KV was lost (they will
-        recompute). Requires fits(len(entry.tokens))."""
-        assert self.fits(len(entry.tokens)), "entry larger than the host tier"
-        lost = []
+    def reserve(self, owner: str, n: int) -> Optional[Reservation]:
+        """An arena range for `n` tokens of `owner`'s tail, dropping other owners'
+        least recently stored entries for room (their tails are lost). None when
+        room cannot be made without the owner's own entry."""
+        if not self.fits(n):
+            return None
+        with self.lock:
+            while (start := self._ranges.alloc(n)) is None:
+                victim = next((o for o in self.entries if o != owner), None)
+                if victim is None:
+                    return None
+                self._drop(victim)
+            self._reserved[start] = n
+            self._used += n
+            return Reservation(owner, start, self.arena.narrow(start, n))
+
+    def cancel(self, res: Reservation) -> None:
+        with self.lock:
+            self._unreserve(res)
+            self._ranges.release(res.start, len(res.kv))
+
+    def commit(self, entry: HostEntry, res: Optional[Reservation], copy_ms: float, copied_tokens: int) -> None:
+        """Store `entry`, held in `res` (or, with None, in the owner's current
+        entry's range), replacing the owner's current entry."""
         with self.lock:
             replaced = self.entries.pop(entry.owner, None)
-            if replaced is not None:
+            if replaced is not None and replaced.start != entry.start:
+                self._free(replaced)
+            elif replaced is not None:
                 self._used -= len(replaced.tokens)
-            while self._used + len(entry.tokens) > self.capacity_tokens:
-                owner, old = self.entries.popitem(last=False)
-                self._used -= len(old.tokens)
-                if not old.on_device:  # a write-through copy is not the only one
-                    self.stats.lost_tokens += len(old.tokens)
-                    self._evict(owner, old.anchor_tokens, old.anchor_node_id, old.tokens)
-                    lost.append(owner)
+            if res is not None:
+                self._unreserve(res)
             self._used += len(entry.tokens)
             entry.node_id = self._next_id()
             self.entries[entry.owner] = entry
             self.evicted.pop(entry.owner, None)
-            copied = len(entry.tokens) if copied_tokens is None else copied_tokens
-            self.stats.demoted_tokens += copied
-            self.stats.demoted_bytes += entry.nbytes * copied // max(len(entry.tokens), 1)
+            self.stats.demoted_tokens += copied_tokens
+            self.stats.demoted_bytes += entry.nbytes * copied_tokens // max(len(entry.tokens), 1)
             self.stats.demote_ms += copy_ms
-        return lost
 
     def record_evicted(self, owner: str, anchor_tokens: int, anchor_node_id: int, tokens: array) -> None:
         """The owner's tail was freed without a host copy (discarded)."""
@@ -122,18 +180,12 @@ class HostTier:
         with self.lock:
             self.evicted.pop(owner, None)
 
-    def _evict(self, owner: str, anchor_tokens: int, anchor_node_id: int, tokens: array) -> None:
-        self.evicted[owner] = EvictedTail(owner, anchor_tokens, anchor_node_id, tokens, self._next_id())
-
-    def _next_id(self) -> int:
-        self._stored += 1
-        return -self._stored
-
     def take(self, owner: str) -> Optional[HostEntry]:
+        """Remove the owner's entry and free its range (its views must not be read after)."""
         with self.lock:
             entry = self.entries.pop(owner, None)
             if entry is not None:
-                self._used -= len(entry.tokens)
+                self._free(entry)
             return entry
 
     def peek(self, owner: str) -> Optional[HostEntry]:
@@ -149,6 +201,41 @@ class HostTier:
     def bytes_of(self, owner: str) -> int:
         entry = self.peek(owner)
         return 0 if entry is None else entry.nbytes
+
+    def check(self) -> None:
+        """Assert that entries, reservations and free ranges tile the arena."""
+        with self.lock:
+            spans = sorted([(e.start, len(e.tokens)) for e in self.entries.values()]
+                           + list(self._reserved.items()) + [tuple(r) for r in self._ranges.free])
+            pos = 0
+            for start, length in spans:
+                assert start == pos, f"host arena: range at {start}, expected {pos}"
+                pos += length
+            assert pos == self.capacity_tokens, f"host arena ranges cover {pos} of {self.capacity_tokens}"
+            held = sum(len(e.tokens) for e in self.entries.values()) + sum(self._reserved.values())
+            assert held == self._used, f"host tier counts {self._used} tokens, holds {held}"
+
+    def _drop(self, owner: str) -> None:
+        old = self.entries.pop(owner)
+        self._free(old)
+        if not old.on_device:  # a write-through copy is not the only one
+            self.stats.lost_tokens += len(old.tokens)
+            self._evict(owner, old.anchor_tokens, old.anchor_node_id, old.tokens)
+
+    def _free(self, entry: HostEntry) -> None:
+        self._used -= len(entry.tokens)
+        self._ranges.release(entry.start, len(entry.tokens))
+
+    def _unreserve(self, res: Reservation) -> None:
+        del self._reserved[res.start]
+        self._used -= len(res.kv)
+
+    def _evict(self, owner: str, anchor_tokens: int, anchor_node_id: int, tokens: array) -> None:
+        self.evicted[owner] = EvictedTail(owner, anchor_tokens, anchor_node_id, tokens, self._next_id())
+
+    def _next_id(self) -> int:
+        self._stored += 1
+        return -self._stored
 
 
 def timed_ms(start: float) -> float:

@@ -2,24 +2,23 @@
 
 SGLang's `MHATokenToKVPool.get_cpu_copy` / `load_cpu_copy` synchronise the
 whole device before and after each copy, so a demotion stalls every other
-conversation's step. `KVMover` copies on a stream of its own instead, into
-pinned host buffers, and waits only for its own copy: a demotion or a reload
+conversation's step. `KVMover` copies on streams of its own (one per
+direction, as the GPU has a copy engine each way), between the device pool and
+a pinned host arena, and waits only for its own copy: a demotion or a reload
 overlaps the compute stream's work for other conversations. Before copying it
 waits for the work already queued on the compute stream (the KV it reads was
 written there; the slots it writes may still be read by queued kernels).
-On CPU the same code runs with plain host tensors and no stream.
+On CPU the same code runs with plain host tensors and no streams.
 
-Pinned buffers come from torch's caching host allocator, so after warm-up a
-demotion pins no new memory; the host tier bounds how much is held. The bytes
-moved are the pool's own, so a round trip is bit-identical (the tests compare
-against `get_cpu_copy` as the oracle).
+The bytes moved are the pool's own, so a round trip is bit-identical (the
+tests compare against `get_cpu_copy` as the oracle).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -38,6 +37,14 @@ class HostKV:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def narrow(self, start: int, n: int) -> "HostKV":
+        """Tokens [start, start + n), as views."""
+        return HostKV(self.k.narrow(1, start, n), self.v.narrow(1, start, n))
+
+    def copy_(self, src: "HostKV") -> None:
+        self.k.copy_(src.k)
+        self.v.copy_(src.v)
+
 
 class KVMover:
     """Moves slots of one MHATokenToKVPool to host memory and back."""
@@ -47,53 +54,54 @@ class KVMover:
         self.k_buffer, self.v_buffer = kv_pool.k_buffer, kv_pool.v_buffer
         self.device = self.k_buffer[0].device
         self.pinned = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.pinned else None
+        if self.pinned:
+            self.compute: Optional[torch.cuda.Stream] = torch.cuda.current_stream(self.device)
+            self.to_host_stream = torch.cuda.Stream(self.device)
+            self.to_device_stream = torch.cuda.Stream(self.device)
+        else:
+            self.compute = self.to_host_stream = self.to_device_stream = None
 
     def empty(self, num_tokens: int) -> HostKV:
+        """A host arena for `num_tokens` (pinned on CUDA). On CPU the pages are
+        committed by the OS only as copies write them."""
         _, heads, dim = self.k_buffer[0].shape
         shape = (len(self.k_buffer), num_tokens, heads, dim)
         dtype = self.k_buffer[0].dtype
         return HostKV(torch.empty(shape, dtype=dtype, pin_memory=self.pinned),
                       torch.empty(shape, dtype=dtype, pin_memory=self.pinned))
 
-    def to_host(self, slots: torch.Tensor) -> HostKV:
-        """A host copy of the KV in `slots`, complete when this returns."""
-        out = self.empty(len(slots))
-        with self._copy_stream():
+    def to_host(self, slots: torch.Tensor, out: HostKV) -> None:
+        """Copy the KV in `slots` into `out`; complete when this returns."""
+        assert len(out) == len(slots), f"{len(out)} host tokens for {len(slots)} slots"
+        with self._on(self.to_host_stream):
             for layer, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer)):
-                if self.pinned:  # gather on the device, then one DMA into the pinned buffer
+                if self.pinned:  # gather on the device, then one DMA into the pinned arena
                     out.k[layer].copy_(k[slots], non_blocking=True)
                     out.v[layer].copy_(v[slots], non_blocking=True)
-                else:  # gather straight into the host buffer: one pass
+                else:  # gather straight into the host arena: one pass
                     torch.index_select(k, 0, slots, out=out.k[layer])
                     torch.index_select(v, 0, slots, out=out.v[layer])
-        return out
 
     def to_device(self, host: HostKV, slots: torch.Tensor) -> None:
         """Write `host` into `slots`; the KV is in place when this returns."""
         assert len(host) == len(slots), f"{len(host)} host tokens for {len(slots)} slots"
-        with self._copy_stream():
+        with self._on(self.to_device_stream):
             for layer, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer)):
                 k.index_copy_(0, slots, host.k[layer].to(self.device, non_blocking=True))
                 v.index_copy_(0, slots, host.v[layer].to(self.device, non_blocking=True))
 
-    def join(self, head: HostKV, tail: HostKV) -> HostKV:
-        """`head` then `tail`, as one host copy."""
-        n = len(head)
-        out = self.empty(n + len(tail))
-        for dst, a, b in ((out.k, head.k, tail.k), (out.v, head.v, tail.v)):
-            dst[:, :n].copy_(a)
-            dst[:, n:].copy_(b)
-        return out
-
     @contextmanager
-    def _copy_stream(self) -> Iterator[None]:
-        if self.stream is None:
+    def _on(self, stream: Optional[torch.cuda.Stream]) -> Iterator[None]:
+        if stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        done.synchronize()  # this copy only: other streams' work goes on
+        stream.wait_stream(self.compute)
+        done = torch.cuda.Event()
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            # Also on error: what was queued must finish before the caller frees
+            # the slots or the host range it reads.
+            done.record(stream)
+            done.synchronize()  # this copy only: other streams' work goes on

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--page-size", type=int, default=_DEFAULTS.page_size)
     serve.add_argument("--pool-tokens", type=int, default=_DEFAULTS.pool_tokens, help="device KV pool size")
     serve.add_argument("--host-pool-tokens", type=int, default=_DEFAULTS.host_pool_tokens,
-                       help="host-tier KV capacity for tool-wait offload")
+                       help="host-tier KV capacity in tokens for tool-wait offload, allocated at start "
+                            "(pinned on cuda); default 4x --pool-tokens, at most a quarter of host memory")
     serve.add_argument("--offload", default=_DEFAULTS.offload, choices=["never", "always", "ttl", "pressure"],
                        help="default tool-wait offload policy of new conversations")
     serve.add_argument("--max-context", type=int, default=_DEFAULTS.max_context)

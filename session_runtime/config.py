@@ -6,6 +6,7 @@ Built once (from CLI flags or code) and passed down; nothing reads globals.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -82,7 +83,9 @@ class RuntimeConfig:
     attention: str = "auto"  # one of ATTENTION_BACKENDS
     page_size: int = 16
     pool_tokens: int = 65536
-    host_pool_tokens: int = 262144  # host-tier capacity for offloaded KV
+    # Host-tier capacity for offloaded KV; None: 4x pool_tokens, at most a
+    # quarter of host memory. Allocated once (pinned on CUDA).
+    host_pool_tokens: Optional[int] = None
     max_context: int = 32768
     max_running: int = 4  # rows of the ReqToTokenPool: steps in flight at once
     prefill_chunk: int = 2048  # tokens per prefill forward (bounds attention memory)
@@ -106,10 +109,20 @@ class RuntimeConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        if self.host_pool_tokens is not None and self.host_pool_tokens < 0:
+            raise ValueError(f"host_pool_tokens must be >= 0, got {self.host_pool_tokens}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def host_tokens(self, bytes_per_token: int) -> int:
+        """The host tier's capacity: host_pool_tokens, or by default 4x the device
+        pool, at most a quarter of this machine's memory."""
+        if self.host_pool_tokens is not None:
+            return self.host_pool_tokens
+        quarter = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        return min(4 * self.pool_tokens, quarter // bytes_per_token)
 
     def replace(self, **changes: object) -> "RuntimeConfig":
         return dataclasses.replace(self, **changes)

@@ -98,8 +98,8 @@ class Engine(HostTierOps):
             )
         )
         self.tree = SessionRadixCache(self.pools)
-        self.host = HostTier(config.host_pool_tokens)
         self.mover = KVMover(self.pools.kv)
+        self.host = HostTier(self.mover.empty(config.host_tokens(self.pools.spec.bytes_per_token)))
         self.lock = threading.RLock()
         # Called with the missing token count when even eviction cannot make
         # room: the offload manager demotes waiting conversations there.
@@ -373,19 +373,23 @@ class Engine(HostTierOps):
             return self.tree.probe(namespace.key(list(tokens))[: max(len(tokens) - 1, 0)])
 
     def _sync(self) -> None:
+        """Wait for the compute stream, not for the host tier's copies on theirs."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
 
     # ----- chains and inspection ---------------------------------------------
 
     def release(self, owner: str) -> None:
+        """Forget the owner: unlock its chain, drop its host copy and any lost-tail record."""
         with self.lock:
             self.tree.release_chain(owner)
+            self.host.take(owner)
+            self.host.forget_evicted(owner)
 
     def check_integrity(self) -> None:
         with self.lock:
             self.tree.check_integrity()
-            assert self.host.used_tokens <= self.host.capacity_tokens, "host tier over capacity"
+            self.host.check()
             for owner, entry in list(self.host.entries.items()):
                 assert entry.on_device or self.tree.chain_tokens(owner) == entry.anchor_tokens, (
                     f"host entry of {owner} does not hang from its chain"

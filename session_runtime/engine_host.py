@@ -8,11 +8,26 @@ allocator, and keeps the engine module to the step itself.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from radix_ext.host_tier import HostEntry, timed_ms
-from radix_ext.kv_copy import HostKV
+from radix_ext.host_tier import HostEntry, Reservation, timed_ms
 from radix_ext.tree import Namespace, NodeInfo, TailPlan
+
+
+@dataclass(frozen=True)
+class _Demotion:
+    """A planned demotion: the tail, the owner's write-through copy of its head
+    (if any, reused), and the host range the copy goes to (None when the
+    write-through copy already holds the whole tail)."""
+
+    plan: TailPlan
+    reuse: Optional[HostEntry]
+    res: Optional[Reservation]
+
+    @property
+    def held(self) -> int:
+        return len(self.reuse.tokens) if self.reuse is not None else 0
 
 
 class HostTierOps:
@@ -43,9 +58,15 @@ class HostTierOps:
         return self._restore(owner, namespace, prompt, entry, slots, self._copy_in(entry, slots)) or (0, 0)
 
     def _copy_in(self, entry: HostEntry, slots) -> float:
-        """Copy the entry into `slots`; returns the copy's milliseconds."""
+        """Copy the entry into `slots`; returns the copy's milliseconds. A failed
+        copy frees the slots and keeps the entry."""
         t = time.perf_counter()
-        self.mover.to_device(entry.kv, slots)
+        try:
+            self.mover.to_device(entry.kv, slots)
+        except BaseException:
+            with self.lock:
+                self.pools.allocator.free(slots)
+            raise
         return timed_ms(t)
 
     def _reloadable(self, owner: str, prompt: list[int]) -> Optional[HostEntry]:
@@ -85,75 +106,93 @@ class HostTierOps:
         pages. The copy runs outside the engine lock (the chain's lock keeps the
         pages alive and cached KV is never rewritten); a step of the same owner
         in between makes it a no-op. A write-through copy of the tail's head is
-        reused: only the tokens added since are copied. `still_waiting` is
-        checked under the lock before planning and before finishing: a wait that
-        ended meanwhile (its step started, or the conversation was deleted)
+        reused: only the tokens added since come from the device. `still_waiting`
+        is checked under the lock before planning and before finishing: a wait
+        that ended meanwhile (its step started, or the conversation was deleted)
         cancels the demotion. Returns the tokens moved off the device."""
         with self.lock:
-            plan, reuse = self._plan(owner) if still_waiting() else (None, None)
-            if plan is None:
+            job = self._plan(owner) if still_waiting() else None
+            if job is None:
                 return 0
-        kv, copy_ms = self._copy_out(plan, reuse)
+        copy_ms = self._copy_out(job)
         with self.lock:
             if not still_waiting():
+                self._cancel(job)
                 return 0
-            return self._finish_demote(plan, reuse, kv, copy_ms)
+            return self._finish_demote(job, copy_ms)
+
+    def demote_locked(self, owner: str, still_waiting: Callable[[], bool] = lambda: True) -> int:
+        """`demote` with the copy under the lock (called from inside a step)."""
+        with self.lock:
+            job = self._plan(owner) if still_waiting() else None
+            if job is None:
+                return 0
+            return self._finish_demote(job, self._copy_out(job))
 
     def discard(self, owner: str, still_waiting: Callable[[], bool] = lambda: True) -> int:
-        """Free the owner's exclusive chain tail without a host copy: the next step
-        recomputes it (InferCept's "discard", a baseline). Returns tokens freed."""
+        """Free the owner's exclusive chain tail without a host copy (a
+        write-through one is dropped too): the next step recomputes it
+        (InferCept's "discard", a baseline). Returns tokens freed."""
         with self.lock:
             plan = self.tree.plan_demote(owner) if still_waiting() else None
             if plan is None:
                 return 0
             anchor_depth = self.tree.chain_tokens(owner) - len(plan.tokens)
             self.tree.drop_tail(plan)
+            self.host.take(owner)
             self.host.record_evicted(owner, anchor_depth, plan.anchor.id, plan.tokens)
             return len(plan.tokens)
 
-    def demote_locked(self, owner: str, still_waiting: Callable[[], bool] = lambda: True) -> int:
-        """`demote` with the copy under the lock (called from inside a step)."""
-        with self.lock:
-            plan, reuse = self._plan(owner) if still_waiting() else (None, None)
-            if plan is None:
-                return 0
-            return self._finish_demote(plan, reuse, *self._copy_out(plan, reuse))
-
-    def _plan(self, owner: str) -> tuple[Optional[TailPlan], Optional[HostEntry]]:
+    def _plan(self, owner: str) -> Optional[_Demotion]:
+        """Plan the owner's demotion and reserve its host range (which may drop
+        other owners' host copies for room). None when there is nothing to do."""
         old = self.host.peek(owner)
         if old is not None and not old.on_device:
-            return None, None  # already on the host: a second copy would replace the first
+            return None  # already on the host: a second copy would replace the first
         plan = self.tree.plan_demote(owner)
         if plan is None or not self.host.fits(len(plan.tokens)):
-            return None, None
+            return None
         n = len(old.tokens) if old is not None else 0
         reuse = old if (
-            old is not None and old.on_device and n <= len(plan.tokens)
+            old is not None and n <= len(plan.tokens)
             and old.anchor_tokens == self.tree.chain_tokens(owner) - len(plan.tokens)
             and plan.tokens[:n] == old.tokens and self.tree.path_tokens(plan.anchor) == old.prefix
         ) else None
-        return plan, reuse
+        if reuse is not None and n == len(plan.tokens):
+            return _Demotion(plan, reuse, None)
+        res = self.host.reserve(owner, len(plan.tokens))
+        return None if res is None else _Demotion(plan, reuse, res)
 
-    def _copy_out(self, plan: TailPlan, reuse: Optional[HostEntry]) -> tuple[Optional[HostKV], float]:
-        """Copy what the host does not hold yet; returns (copy or None, milliseconds)."""
-        done = len(reuse.tokens) if reuse is not None else 0
-        if done == len(plan.slots):
-            return None, 0.0
-        t = time.perf_counter()
-        return self.mover.to_host(plan.slots[done:]), timed_ms(t)
+    def _copy_out(self, job: _Demotion) -> float:
+        """Fill the reserved range: the reused head from the write-through copy,
+        the rest from the device. Returns the copy's milliseconds. A failed copy
+        cancels the reservation."""
+        if job.res is None:
+            return 0.0
+        t, held = time.perf_counter(), job.held
+        try:
+            if held:
+                job.res.kv.narrow(0, held).copy_(job.reuse.kv)
+            self.mover.to_host(job.plan.slots[held:], job.res.kv.narrow(held, len(job.plan.slots) - held))
+        except BaseException:
+            self.host.cancel(job.res)
+            raise
+        return timed_ms(t)
 
-    def _finish_demote(self, plan: TailPlan, reuse: Optional[HostEntry], kv: Optional[HostKV], copy_ms: float) -> int:
+    def _cancel(self, job: _Demotion) -> None:
+        if job.res is not None:
+            self.host.cancel(job.res)
+
+    def _finish_demote(self, job: _Demotion, copy_ms: float) -> int:
+        plan, reuse, res = job.plan, job.reuse, job.res
         if not self.tree.plan_still_valid(plan) or (reuse is not None and self.host.peek(plan.owner) is not reuse):
+            self._cancel(job)  # the tail changed, or the reused copy was dropped (its range may be reused)
             return 0
-        copied = len(plan.tokens) - (len(reuse.tokens) if reuse is not None else 0)
-        if reuse is not None and kv is not None:
-            kv = self.mover.join(reuse.kv, kv)
-        elif reuse is not None:
-            kv = reuse.kv
         anchor_depth = self.tree.chain_tokens(plan.owner) - len(plan.tokens)
-        entry = HostEntry(plan.owner, anchor_depth, plan.anchor.id, plan.tokens, kv,
+        start, kv = (reuse.start, reuse.kv) if res is None else (res.start, res.kv)
+        entry = HostEntry(plan.owner, anchor_depth, plan.anchor.id, plan.tokens, start, kv,
                           prefix=self.tree.path_tokens(plan.anchor))
-        self.host.put(entry, copy_ms, copied_tokens=copied)
+        self.host.commit(entry, res, copy_ms, copied_tokens=len(plan.tokens) - job.held)
         self.tree.drop_tail(plan)
         return len(plan.tokens)
 

@@ -26,7 +26,8 @@ def test_pinned_copy_matches_sglang_and_round_trips():
     pools = cuda_pools(8192)
     mover = KVMover(pools.kv)
     src, dst = pools.allocator.alloc(4096), pools.allocator.alloc(4096)
-    host = mover.to_host(src)
+    host = mover.empty(4096)
+    mover.to_host(src, host)
     assert host.k.is_pinned() and host.v.is_pinned()
     oracle = pools.allocator.get_cpu_copy(src)
     for layer in range(28):

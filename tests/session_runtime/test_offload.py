@@ -265,3 +265,40 @@ def test_discarded_tail_shows_as_evicted_until_recomputed(rt):
     rt.delete_conversation(cid2)
     assert cid2 not in rt.engine.host.evicted
     rt.check_integrity()
+
+
+def test_a_failed_reload_copy_frees_its_slots_and_keeps_the_host_copy(rt):
+    cid, step = tool_step(rt, "failing-copy")
+    eng = rt.engine
+    assert rt.offload.run_due() == 144
+    free = eng.pools.allocator.available_size()
+    original = eng.mover.to_device
+
+    def broken(host, slots):
+        raise RuntimeError("copy failed")
+
+    eng.mover.to_device = broken
+    try:
+        with pytest.raises(RuntimeError, match="copy failed"):
+            resume(rt, cid, step)
+    finally:
+        eng.mover.to_device = original
+    assert eng.pools.allocator.available_size() == free and eng.host.peek(cid) is not None
+    rt.check_integrity()
+    assert resume(rt, cid, step).accounting.host_loaded_tokens == 144  # the retry reloads
+    rt.delete_conversation(cid)
+
+
+def test_discard_drops_a_write_through_copy_and_release_forgets_the_owner(rt):
+    cid, step = tool_step(rt, "discard-both")
+    eng = rt.engine
+    assert rt.offload.run_due() == 144
+    rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
+                         forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
+    assert eng.host.peek(cid).on_device  # write-through copy of the reloaded head
+    eng.discard(cid)
+    assert eng.host.peek(cid) is None and {n.residency for n in rt.tree_snapshot(cid)} == {"evicted"}
+    eng.release(cid)  # the engine's own API: nothing of the owner stays behind
+    assert cid not in eng.host.evicted and all(cid not in n.owners for n in eng.host_nodes(str))
+    rt.delete_conversation(cid)
+    rt.check_integrity()

@@ -37,13 +37,12 @@ def test_a_split_inside_the_tail_during_the_copy_cancels_the_demotion(rt):
     mover = rt.engine.mover
     original = mover.to_host
 
-    def copy_while_another_step_runs(slots):
-        out = original(slots)
+    def copy_while_another_step_runs(slots, out):
+        original(slots, out)
         mover.to_host = original
         # Y's step shares X's tail up to inside its second node: it splits it.
         rt.send_tool_results(y, [{"tool_call_id": y1.tool_calls[0]["id"], "content": common + " yy"}],
                              forced={"content": words(3)})
-        return out
 
     mover.to_host = copy_while_another_step_runs
     assert rt.offload.run_due() == 0
