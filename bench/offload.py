@@ -247,7 +247,7 @@ def copy_overlap(rt: Runtime, tokens: int) -> dict:
     alloc.free(slots)
     return {"tokens": tokens, "bytes": host.nbytes, "copy_ms": copy_s * 1e3, "compute_ms": compute_s * 1e3,
             "both_ms": both_s * 1e3, "overlap_ratio": both_s / (copy_s + compute_s),
-            "copy_stream": mover.stream is not None, "pinned": mover.pinned}
+            "copy_stream": mover.to_device_stream is not None, "pinned": mover.pinned}
 
 
 def transfer_rates(before, after, pinned: bool) -> dict:
