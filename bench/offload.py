@@ -1,6 +1,6 @@
 """Tool-wait offload benchmark: N agents whose KV is ~3x the device pool, under five policies.
 
-    .venv/bin/python bench/offload.py [--device cpu|cuda] [--model tiny] [--dtype D] [--agents 12] [--context 2048] [--threads 1] [--seed 0]
+    .venv/bin/python bench/offload.py [--device cpu|cuda] [--model tiny] [--dtype D] [--agents 12] [--context 2048] [--threads 1] [--seed 0] [--sizes 1024,2048,4096,8192]
 
 Writes bench/results/offload.json and .png. Seeded agents (a ~C-token " alpha" system prompt
 under their own tenant, 3-5 forced tool-call steps, exponential tool latencies) run in simulated
@@ -32,7 +32,7 @@ from report import RESULTS, write_report  # noqa: E402  (bench/ is on sys.path w
 MODES = ("never", "always", "ttl", "pressure", "discard")
 WORDS = "alpha beta gamma delta search file result check value plan".split()  # one DeepSeek token each
 TOOL_MEAN_S, ARRIVAL_MEAN_S, TTL_S, PS = 3.0, 0.5, 2.0, 16
-LATENCY_SIZES, LATENCY_REPS = (1024, 2048, 4096, 8192), 3
+LATENCY_REPS = 3
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -168,14 +168,14 @@ class Sim:
                 "pages": self.samples}  # (simulated s, used pages, pages locked by chains) after each event
 
 
-def reload_vs_recompute(cfg: RuntimeConfig) -> list[dict]:
+def reload_vs_recompute(cfg: RuntimeConfig, sizes: list[int]) -> tuple[list[dict], dict]:
     """Per size and rep, one agent: tool call, discard, resume (recompute), another tool
-    call, demote, resume (reload). Recompute goes first: its context is the shorter."""
-    rt = Runtime(cfg.replace(pool_tokens=max(LATENCY_SIZES) + 4096, max_context=max(LATENCY_SIZES) + 2048),
-                 background=False)
+    call, demote, resume (reload). Recompute goes first: its context is the shorter.
+    Then the copy/compute overlap at the largest size."""
+    rt = Runtime(cfg.replace(pool_tokens=max(sizes) + 4096, max_context=max(sizes) + 2048), background=False)
     call = {"content": " gamma" * 8, "tool_calls": [{"name": "search", "arguments": {"query": "alpha beta"}}]}
     rows, stats = [], rt.engine.host.stats
-    for size in (LATENCY_SIZES[0], *LATENCY_SIZES):  # the first pass warms up
+    for size in (sizes[0], *sizes):  # the first pass warms up
         got = {"recompute": [], "reload": []}
         before = dataclasses.replace(stats)
         for rep in range(LATENCY_REPS):
@@ -197,7 +197,7 @@ def reload_vs_recompute(cfg: RuntimeConfig) -> list[dict]:
         print(f"  ctx {size:>5}: reload {row['reload_ttft_ms']:7.1f} ms  "
               f"recompute {row['recompute_ttft_ms']:7.1f} ms  to host {row['d2h_GBps']:.1f} GB/s  "
               f"to device {row['h2d_GBps']:.1f} GB/s (ceiling {row['h2d_ceiling_GBps']:.1f})", flush=True)
-    overlap = copy_overlap(rt, max(LATENCY_SIZES))
+    overlap = copy_overlap(rt, max(sizes))
     rt.close()
     return rows[1:], overlap
 
@@ -318,6 +318,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048, help="system prompt tokens per agent")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sizes", default="1024,2048,4096,8192", help="contexts of the reload-vs-recompute runs")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -346,7 +347,7 @@ def main() -> None:
     for s in sims:
         s.rt.close()
     del sims, live, s  # free five decoders and pools before the latency runtime
-    latency, overlap = reload_vs_recompute(cfg)
+    latency, overlap = reload_vs_recompute(cfg, [int(x) for x in args.sizes.split(",")])
     offloaders = [policies[m] for m in ("always", "ttl", "pressure")]
     targets = {
         "zero_recompute_with_host_room": {
