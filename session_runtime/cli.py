@@ -82,7 +82,7 @@ def serve(args: argparse.Namespace) -> int:
     print(
         f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
         f"http://{args.host}:{args.port} (page size {config.page_size}, pool {config.pool_tokens} tokens, "
-        f"attention {runtime.engine.decoder.attention.name})",
+        f"host tier {runtime.engine.host.capacity_tokens} tokens, attention {runtime.engine.decoder.attention.name})",
         flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -3,13 +3,15 @@ loss, and integrity under any interleaving (hypothesis state machine)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from session_runtime import PoolExhausted, Runtime, RuntimeConfig
+from session_runtime import InvalidRequest, PoolExhausted, Runtime, RuntimeConfig
 
 
 def words(n: int) -> str:
@@ -302,3 +304,18 @@ def test_discard_drops_a_write_through_copy_and_release_forgets_the_owner(rt):
     assert cid not in eng.host.evicted and all(cid not in n.owners for n in eng.host_nodes(str))
     rt.delete_conversation(cid)
     rt.check_integrity()
+
+
+def test_a_host_tier_the_machine_cannot_hold_is_a_clear_error():
+    with pytest.raises(InvalidRequest, match="cannot allocate the host tier.*lower --host-pool-tokens"):
+        Runtime(RuntimeConfig(model="tiny", pool_tokens=1024, host_pool_tokens=10**15), background=False)
+    with pytest.raises(ValueError, match="host_pool_tokens must be >= 0"):
+        RuntimeConfig(host_pool_tokens=-1)
+
+
+def test_default_host_tier_is_four_pools_at_most_a_quarter_of_memory():
+    cfg = RuntimeConfig(pool_tokens=1024)
+    assert cfg.host_tokens(bytes_per_token=4096) == 4096
+    quarter = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    assert cfg.host_tokens(bytes_per_token=quarter // 100) == 100
+    assert RuntimeConfig(host_pool_tokens=0).host_tokens(4096) == 0
