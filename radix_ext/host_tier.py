@@ -25,6 +25,15 @@ from typing import Optional
 from radix_ext.kv_copy import HostKV
 
 
+@dataclass(frozen=True)
+class TailNode:
+    """A tree node of a tail that left the device: its id, size and hits then."""
+
+    id: int
+    tokens: int
+    hit_count: int
+
+
 @dataclass
 class HostEntry:
     """One conversation's offloaded tail: tokens [anchor, anchor + len(tokens)),
@@ -40,7 +49,7 @@ class HostEntry:
     # Write-through: after a reload the copy stays, so the tail is on the device
     # and the host ("both") and a later demotion copies only what was added.
     on_device: bool = False
-    node_id: int = 0  # stable negative id in tree snapshots, set by HostTier.commit
+    nodes: tuple[TailNode, ...] = ()  # the tail's tree nodes, top-down, as snapshots show them
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +74,7 @@ class EvictedTail:
     anchor_tokens: int
     anchor_node_id: int
     tokens: array
-    node_id: int
+    nodes: tuple[TailNode, ...]
 
 
 @dataclass
@@ -119,7 +128,6 @@ class HostTier:
         self.lock = threading.Lock()
         self._ranges = Ranges(self.capacity_tokens)
         self._reserved: dict[int, int] = {}  # start -> length of uncommitted reservations
-        self._stored = 0
         self._used = 0  # tokens held by entries and reservations (readable without the lock)
 
     @property
@@ -162,18 +170,17 @@ class HostTier:
             if res is not None:
                 self._unreserve(res)
             self._used += len(entry.tokens)
-            entry.node_id = self._next_id()
             self.entries[entry.owner] = entry
             self.evicted.pop(entry.owner, None)
             self.stats.demoted_tokens += copied_tokens
             self.stats.demoted_bytes += entry.nbytes * copied_tokens // max(len(entry.tokens), 1)
             self.stats.demote_ms += copy_ms
 
-    def record_evicted(self, owner: str, anchor_tokens: int, anchor_node_id: int, tokens: array) -> None:
+    def record_evicted(self, tail: EvictedTail) -> None:
         """The owner's tail was freed without a host copy (discarded)."""
         with self.lock:
-            self.stats.lost_tokens += len(tokens)
-            self._evict(owner, anchor_tokens, anchor_node_id, tokens)
+            self.stats.lost_tokens += len(tail.tokens)
+            self.evicted[tail.owner] = tail
 
     def forget_evicted(self, owner: str) -> None:
         """The owner's next step ran (it recomputed the tail), or it is gone."""
@@ -220,7 +227,7 @@ class HostTier:
         self._free(old)
         if not old.on_device:  # a write-through copy is not the only one
             self.stats.lost_tokens += len(old.tokens)
-            self._evict(owner, old.anchor_tokens, old.anchor_node_id, old.tokens)
+            self.evicted[owner] = EvictedTail(owner, old.anchor_tokens, old.anchor_node_id, old.tokens, old.nodes)
 
     def _free(self, entry: HostEntry) -> None:
         self._used -= len(entry.tokens)
@@ -229,13 +236,6 @@ class HostTier:
     def _unreserve(self, res: Reservation) -> None:
         del self._reserved[res.start]
         self._used -= len(res.kv)
-
-    def _evict(self, owner: str, anchor_tokens: int, anchor_node_id: int, tokens: array) -> None:
-        self.evicted[owner] = EvictedTail(owner, anchor_tokens, anchor_node_id, tokens, self._next_id())
-
-    def _next_id(self) -> int:
-        self._stored += 1
-        return -self._stored
 
 
 def timed_ms(start: float) -> float:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from radix_ext.host_tier import HostEntry, Reservation, timed_ms
+from radix_ext.host_tier import EvictedTail, HostEntry, Reservation, TailNode, timed_ms
 from radix_ext.tree import Namespace, NodeInfo, TailPlan
 
 
@@ -137,10 +137,11 @@ class HostTierOps:
             plan = self.tree.plan_demote(owner) if still_waiting() else None
             if plan is None:
                 return 0
-            anchor_depth = self.tree.chain_tokens(owner) - len(plan.tokens)
+            tail = EvictedTail(owner, self.tree.chain_tokens(owner) - len(plan.tokens), plan.anchor.id,
+                               plan.tokens, _tail_nodes(plan))
             self.tree.drop_tail(plan)
             self.host.take(owner)
-            self.host.record_evicted(owner, anchor_depth, plan.anchor.id, plan.tokens)
+            self.host.record_evicted(tail)
             return len(plan.tokens)
 
     def _plan(self, owner: str) -> Optional[_Demotion]:
@@ -191,7 +192,7 @@ class HostTierOps:
         anchor_depth = self.tree.chain_tokens(plan.owner) - len(plan.tokens)
         start, kv = (reuse.start, reuse.kv) if res is None else (res.start, res.kv)
         entry = HostEntry(plan.owner, anchor_depth, plan.anchor.id, plan.tokens, start, kv,
-                          prefix=self.tree.path_tokens(plan.anchor))
+                          prefix=self.tree.path_tokens(plan.anchor), nodes=_tail_nodes(plan))
         self.host.commit(entry, res, copy_ms, copied_tokens=len(plan.tokens) - job.held)
         self.tree.drop_tail(plan)
         return len(plan.tokens)
@@ -224,16 +225,27 @@ class HostTierOps:
         return frozenset(out)
 
     def host_nodes(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
-        """Offloaded tails (residency "host") and lost ones ("evicted", until the
-        owner's next step recomputes them) as snapshot nodes under their anchors."""
+        """The nodes of offloaded tails (residency "host") and of lost ones
+        ("evicted", until the owner's next step recomputes them), with the ids
+        and hit counts they had in the tree, hanging from their anchors."""
         with self.host.lock:
             tails = [(e, "host") for e in self.host.entries.values() if not e.on_device]
             tails += [(e, "evicted") for e in self.host.evicted.values()]
-        return [
-            NodeInfo(id=e.node_id, parent=e.anchor_node_id if e.anchor_tokens else None, tokens=len(e.tokens),
-                     depth_tokens=e.anchor_tokens + len(e.tokens), preview=preview(list(e.tokens[:16])),
-                     hit_count=0, lock_count=0, last_access_age_s=0.0, residency=residency,
-                     owners=(e.owner,), namespace=None)
-            for e, residency in tails
-            if (owner is None or e.owner == owner) and self.tree.chain_tokens(e.owner) == e.anchor_tokens
-        ]
+        out = []
+        for e, residency in tails:
+            if (owner is not None and e.owner != owner) or self.tree.chain_tokens(e.owner) != e.anchor_tokens:
+                continue
+            parent, depth = (e.anchor_node_id if e.anchor_tokens else None), e.anchor_tokens
+            for node in e.nodes:
+                offset = depth - e.anchor_tokens
+                depth += node.tokens
+                out.append(NodeInfo(id=node.id, parent=parent, tokens=node.tokens, depth_tokens=depth,
+                                    preview=preview(list(e.tokens[offset : offset + 16])), hit_count=node.hit_count,
+                                    lock_count=0, last_access_age_s=0.0, residency=residency, owners=(e.owner,),
+                                    namespace=None))
+                parent = node.id
+        return out
+
+
+def _tail_nodes(plan: TailPlan) -> tuple[TailNode, ...]:
+    return tuple(TailNode(n.id, len(n.key), n.hit_count) for n in plan.nodes)

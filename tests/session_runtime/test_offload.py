@@ -319,3 +319,16 @@ def test_default_host_tier_is_four_pools_at_most_a_quarter_of_memory():
     quarter = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
     assert cfg.host_tokens(bytes_per_token=quarter // 100) == 100
     assert RuntimeConfig(host_pool_tokens=0).host_tokens(4096) == 0
+
+
+def test_offloaded_nodes_keep_their_ids_hits_and_shape(rt):
+    cid, step = tool_step(rt, "node-shape", offload="never")
+    rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
+                         forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
+    before = [(n.id, n.parent, n.tokens, n.depth_tokens, n.hit_count) for n in rt.tree_snapshot(cid)]
+    assert len(before) == 2
+    assert rt.engine.demote(cid) == before[-1][3]
+    after = rt.tree_snapshot(cid)
+    assert [(n.id, n.parent, n.tokens, n.depth_tokens, n.hit_count) for n in after] == before
+    assert {n.residency for n in after} == {"host"}
+    rt.delete_conversation(cid)
