@@ -60,7 +60,6 @@ class HostEntry:
 class Reservation:
     """An arena range held for one demotion until it commits or is cancelled."""
 
-    owner: str
     start: int
     kv: HostKV
 
@@ -112,9 +111,6 @@ class Ranges:
         if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == start:
             self.free[i - 1][1] += self.free.pop(i)[1]
 
-    def free_tokens(self) -> int:
-        return sum(length for _, length in self.free)
-
 
 class HostTier:
     """Owner -> HostEntry over a bounded arena; least recently stored dropped first."""
@@ -151,7 +147,7 @@ class HostTier:
                 self._drop(victim)
             self._reserved[start] = n
             self._used += n
-            return Reservation(owner, start, self.arena.narrow(start, n))
+            return Reservation(start, self.arena.narrow(start, n))
 
     def cancel(self, res: Reservation) -> None:
         with self.lock:

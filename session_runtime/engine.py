@@ -98,15 +98,15 @@ class Engine(HostTierOps):
             )
         )
         self.tree = SessionRadixCache(self.pools)
+        self.bytes_per_token = self.pools.spec.bytes_per_token
         self.mover = KVMover(self.pools.kv)
-        self.host = HostTier(self._host_arena(config.host_tokens(self.pools.spec.bytes_per_token)))
+        self.host = HostTier(self._host_arena(config.host_tokens(self.bytes_per_token)))
         self.lock = threading.RLock()
         # Called with the missing token count when even eviction cannot make
         # room: the offload manager demotes waiting conversations there.
         self.on_pressure: Optional[Callable[[int], None]] = None
         self._reloaded: dict[str, tuple[int, int]] = {}  # owner -> (anchor, tokens) reloaded for its next step
         self.device = torch.device(config.device)
-        self.bytes_per_token = self.pools.spec.bytes_per_token
 
     def _host_arena(self, tokens: int):
         """The host tier's arena, allocated once. Raises InvalidRequest when the
@@ -114,9 +114,9 @@ class Engine(HostTierOps):
         try:
             return self.mover.empty(tokens)
         except (RuntimeError, MemoryError) as exc:
-            gib = tokens * self.pools.spec.bytes_per_token / 2**30
+            gib = tokens * self.bytes_per_token / 2**30
             raise InvalidRequest(
-                f"cannot allocate the host tier: {tokens} tokens x {self.pools.spec.bytes_per_token} bytes "
+                f"cannot allocate the host tier: {tokens} tokens x {self.bytes_per_token} bytes "
                 f"= {gib:.1f} GiB{' pinned' if self.mover.pinned else ''} ({exc}); lower --host-pool-tokens"
             ) from exc
 
