@@ -124,6 +124,7 @@ class HostTier:
         self.lock = threading.Lock()
         self._ranges = Ranges(self.capacity_tokens)
         self._reserved: dict[int, int] = {}  # start -> length of uncommitted reservations
+        self._pins: dict[str, int] = {}  # owners whose entry is being read outside the engine lock
         self._used = 0  # tokens held by entries and reservations (readable without the lock)
 
     @property
@@ -134,20 +135,50 @@ class HostTier:
         return 0 < tokens <= self.capacity_tokens
 
     def reserve(self, owner: str, n: int) -> Optional[Reservation]:
-        """An arena range for `n` tokens of `owner`'s tail, dropping other owners'
-        least recently stored entries for room (their tails are lost). None when
-        room cannot be made without the owner's own entry."""
+        """An arena range for `n` tokens of `owner`'s tail. Makes room by dropping
+        other owners' least recently stored entries (their tails are lost), never
+        the owner's own nor a pinned one, and only when that does make room:
+        None, with nothing dropped, when it cannot."""
         if not self.fits(n):
             return None
         with self.lock:
-            while (start := self._ranges.alloc(n)) is None:
-                victim = next((o for o in self.entries if o != owner), None)
-                if victim is None:
+            start = self._ranges.alloc(n)
+            if start is None:
+                victims = self._victims(owner, n)
+                if victims is None:
                     return None
-                self._drop(victim)
+                for victim in victims:
+                    self._drop(victim)
+                start = self._ranges.alloc(n)
             self._reserved[start] = n
             self._used += n
             return Reservation(start, self.arena.narrow(start, n))
+
+    def _victims(self, owner: str, n: int) -> Optional[list[str]]:
+        """The shortest least-recently-stored run of droppable entries whose
+        ranges, freed, leave a free range of `n`; None if none does."""
+        trial, victims = Ranges(0), []
+        trial.free = [list(r) for r in self._ranges.free]
+        for other, entry in self.entries.items():
+            if other == owner or self._pins.get(other):
+                continue
+            victims.append(other)
+            trial.release(entry.start, len(entry.tokens))
+            if trial.alloc(n) is not None:
+                return victims
+        return None
+
+    def pin(self, owner: str) -> None:
+        """Keep the owner's entry from being dropped for room while it is read
+        outside the engine lock (a reload, or a demotion reusing its head)."""
+        with self.lock:
+            self._pins[owner] = self._pins.get(owner, 0) + 1
+
+    def unpin(self, owner: str) -> None:
+        with self.lock:
+            self._pins[owner] -= 1
+            if not self._pins[owner]:
+                del self._pins[owner]
 
     def cancel(self, res: Reservation) -> None:
         with self.lock:

@@ -41,21 +41,37 @@ class HostTierOps:
             entry = self._reloadable(owner, prompt)
             if entry is None:
                 return
-            slots = self.alloc(len(entry.tokens))  # PoolExhausted leaves the entry where it was
-        copy_ms = self._copy_in(entry, slots)
-        with self.lock:
-            done = self._restore(owner, namespace, prompt, entry, slots, copy_ms)
-            if done is not None:
-                self._reloaded[owner] = done
+            slots = self._alloc_for(owner, entry)  # PoolExhausted leaves the entry where it was
+            if slots is None:
+                return
+            self.host.pin(owner)  # no other demotion may drop it during the unlocked copy
+        try:
+            copy_ms = self._copy_in(entry, slots)
+            with self.lock:
+                done = self._restore(owner, namespace, prompt, entry, slots, copy_ms)
+                if done is not None:
+                    self._reloaded[owner] = done
+        finally:
+            self.host.unpin(owner)
 
     def _promote(self, owner: str, namespace: Namespace, prompt: list[int]) -> tuple[int, int]:
         """Inside a step (engine lock held): reload now. Returns (anchor depth,
         reloaded tokens)."""
         entry = self._reloadable(owner, prompt)
-        if entry is None:
+        slots = None if entry is None else self._alloc_for(owner, entry)
+        if slots is None:
             return 0, 0
-        slots = self.alloc(len(entry.tokens))
         return self._restore(owner, namespace, prompt, entry, slots, self._copy_in(entry, slots)) or (0, 0)
+
+    def _alloc_for(self, owner: str, entry: HostEntry):
+        """Device slots for reloading `entry`, or None when making room (a pressure
+        demotion of another waiter) dropped the entry itself: then the step
+        recomputes the tail. Raises PoolExhausted, keeping the entry."""
+        slots = self.alloc(len(entry.tokens))
+        if self.host.peek(owner) is not entry:
+            self.pools.allocator.free(slots)
+            return None
+        return slots
 
     def _copy_in(self, entry: HostEntry, slots) -> float:
         """Copy the entry into `slots`; returns the copy's milliseconds. A failed
@@ -114,12 +130,16 @@ class HostTierOps:
             job = self._plan(owner) if still_waiting() else None
             if job is None:
                 return 0
-        copy_ms = self._copy_out(job)
-        with self.lock:
-            if not still_waiting():
-                self._cancel(job)
-                return 0
-            return self._finish_demote(job, copy_ms)
+            self.host.pin(owner)  # other demotions must not drop the copy whose head is reused
+        try:
+            copy_ms = self._copy_out(job)
+            with self.lock:
+                if not still_waiting():
+                    self._cancel(job)
+                    return 0
+                return self._finish_demote(job, copy_ms)
+        finally:
+            self.host.unpin(owner)
 
     def demote_locked(self, owner: str, still_waiting: Callable[[], bool] = lambda: True) -> int:
         """`demote` with the copy under the lock (called from inside a step)."""
@@ -134,8 +154,9 @@ class HostTierOps:
         write-through one is dropped too): the next step recomputes it
         (InferCept's "discard", a baseline). Returns tokens freed."""
         with self.lock:
-            plan = self.tree.plan_demote(owner) if still_waiting() else None
-            if plan is None:
+            old = self.host.peek(owner)
+            plan = self.tree.plan_demote(owner) if still_waiting() and (old is None or old.on_device) else None
+            if plan is None:  # nothing to free, or the tail is on the host already
                 return 0
             tail = EvictedTail(owner, self.tree.chain_tokens(owner) - len(plan.tokens), plan.anchor.id,
                                plan.tokens, _tail_nodes(plan))
@@ -162,6 +183,9 @@ class HostTierOps:
         if reuse is not None and n == len(plan.tokens):
             return _Demotion(plan, reuse, None)
         res = self.host.reserve(owner, len(plan.tokens))
+        if res is None and old is not None:  # the owner's own write-through copy is in the way
+            self.host.take(owner)
+            reuse, res = None, self.host.reserve(owner, len(plan.tokens))
         return None if res is None else _Demotion(plan, reuse, res)
 
     def _copy_out(self, job: _Demotion) -> float:

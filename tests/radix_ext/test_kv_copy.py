@@ -104,3 +104,24 @@ def test_commit_replaces_the_owners_entry_and_frees_its_range():
     assert list(host.entries) == ["a"] and host.entries["a"] is second and host.used_tokens == 4
     assert host.stats.demoted_tokens == 8
     host.check()
+
+
+def test_reserving_drops_nothing_when_dropping_cannot_make_room():
+    host = tier(10)
+    for owner, n in (("a", 4), ("b", 3), ("c", 3)):
+        store(host, owner, n)
+    assert host.reserve("c", 8) is None  # a and b free only 7 beside c's own copy
+    assert list(host.entries) == ["a", "b", "c"] and host.stats.lost_tokens == 0
+    host.check()
+
+
+def test_a_pinned_entry_is_not_dropped_for_room():
+    host = tier(10)
+    for owner, n in (("a", 4), ("b", 3), ("c", 3)):
+        store(host, owner, n)
+    host.pin("a")
+    res = host.reserve("d", 3)
+    assert res.start == 4 and list(host.entries) == ["a", "c"]  # b went, not the older a
+    host.unpin("a")
+    host.cancel(res)
+    host.check()

@@ -332,3 +332,24 @@ def test_offloaded_nodes_keep_their_ids_hits_and_shape(rt):
     assert [(n.id, n.parent, n.tokens, n.depth_tokens, n.hit_count) for n in after] == before
     assert {n.residency for n in after} == {"host"}
     rt.delete_conversation(cid)
+
+
+def test_the_owners_own_write_through_copy_gives_way_to_its_demotion():
+    """A's write-through copy of its head sits at the start of the arena; its grown
+    tail needs more room than fits beside it. The demotion drops that copy (and the
+    oldest other one) and copies the whole tail, instead of failing after the drop."""
+    small = Runtime(RuntimeConfig(model="tiny", page_size=16, pool_tokens=4096, host_pool_tokens=1024,
+                                  max_context=2048), background=False)
+    try:
+        a, sa = tool_step(small, "a")
+        x, _ = tool_step(small, "x")
+        assert small.offload.run_due() == 288
+        small.send_tool_results(a, [{"tool_call_id": sa.tool_calls[0]["id"], "content": words(800)}],
+                                forced={"tool_calls": [{"name": "g", "arguments": {}}]})
+        chain = small.engine.tree.chain_tokens(a)
+        assert chain > 1024 - 128 and small.engine.host.peek(a).on_device  # fits only without its old copy
+        assert small.offload.run_due() == chain
+        assert small.engine.host.peek(a).anchor_tokens == 0 and small.engine.host.peek(x) is None
+        small.check_integrity()
+    finally:
+        small.close()
