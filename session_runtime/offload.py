@@ -113,7 +113,9 @@ class OffloadManager:
             else:
                 moved = self.engine.demote(owner, guard)
             total += moved
-            if moved or self.engine.tree.plan_demote(owner) is None:
+            with self.engine.lock:  # a step elsewhere may be splitting nodes
+                done = moved or self.engine.tree.plan_demote(owner) is None
+            if done:
                 self.wait_ended(owner)  # nothing (more) to move for this wait
         return total
 
