@@ -48,7 +48,8 @@ def token_source(seed: int) -> Tokens:
 
 def build_engine(args, max_ctx: int) -> Engine:
     cfg = RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, attention=args.attention,
-                        page_size=16, max_context=max_ctx + 4096, pool_tokens=max_ctx + 16384)
+                        page_size=16, max_context=max_ctx + 4096, pool_tokens=max_ctx + 16384,
+                        host_pool_tokens=0)  # no offload here: pin no host memory
     return Engine(cfg, decoder_for(cfg))
 
 

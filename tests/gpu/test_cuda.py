@@ -48,7 +48,7 @@ def test_bf16_oracle_cold_prefix_and_decode(pair):
 
     hf, ours = pair
     eng = Engine(RuntimeConfig(device="cuda", dtype="bfloat16", page_size=16, pool_tokens=16384,
-                               max_context=8192), ours)
+                               host_pool_tokens=0, max_context=8192), ours)
     ids = torch.randint(0, 150000, (1000,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids], device="cuda")).logits[0]
@@ -117,7 +117,8 @@ def test_auto_picks_flashinfer_on_cuda():
 def test_host_round_trip_on_cuda_is_bit_identical():
     from session_runtime import Runtime, RuntimeConfig
 
-    rt = Runtime(RuntimeConfig(device="cuda", dtype="bfloat16", pool_tokens=8192), background=False)
+    rt = Runtime(RuntimeConfig(device="cuda", dtype="bfloat16", pool_tokens=8192, host_pool_tokens=4096),
+                 background=False)
     try:
         cid = rt.create_conversation(system=" alpha" * 200, offload="always")
         step = rt.send_message(cid, "go", forced={"reasoning": " alpha" * 100, "tool_calls": [{"name": "f", "arguments": {}}]})
