@@ -50,6 +50,7 @@ class HostEntry:
     # and the host ("both") and a later demotion copies only what was added.
     on_device: bool = False
     nodes: tuple[TailNode, ...] = ()  # the tail's tree nodes, top-down, as snapshots show them
+    moved_at: float = field(default_factory=time.monotonic)  # when it left the device
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +75,7 @@ class EvictedTail:
     anchor_node_id: int
     tokens: array
     nodes: tuple[TailNode, ...]
+    moved_at: float = field(default_factory=time.monotonic)  # when it was lost
 
 
 @dataclass

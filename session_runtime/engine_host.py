@@ -251,11 +251,12 @@ class HostTierOps:
     def host_nodes(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
         """The nodes of offloaded tails (residency "host") and of lost ones
         ("evicted", until the owner's next step recomputes them), with the ids
-        and hit counts they had in the tree, hanging from their anchors."""
+        and hit counts they had in the tree, hanging from their anchors; their
+        age is the time since they left the device."""
         with self.host.lock:
             tails = [(e, "host") for e in self.host.entries.values() if not e.on_device]
             tails += [(e, "evicted") for e in self.host.evicted.values()]
-        out = []
+        out, now = [], time.monotonic()
         for e, residency in tails:
             if (owner is not None and e.owner != owner) or self.tree.chain_tokens(e.owner) != e.anchor_tokens:
                 continue
@@ -265,7 +266,8 @@ class HostTierOps:
                 depth += node.tokens
                 out.append(NodeInfo(id=node.id, parent=parent, tokens=node.tokens, depth_tokens=depth,
                                     preview=preview(list(e.tokens[offset : offset + 16])), hit_count=node.hit_count,
-                                    lock_count=0, last_access_age_s=0.0, residency=residency, owners=(e.owner,),
+                                    lock_count=0, last_access_age_s=round(now - e.moved_at, 3),
+                                    residency=residency, owners=(e.owner,),
                                     namespace=None))
                 parent = node.id
         return out

@@ -4,6 +4,7 @@ loss, and integrity under any interleaving (hypothesis state machine)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -328,7 +329,9 @@ def test_offloaded_nodes_keep_their_ids_hits_and_shape(rt):
     before = [(n.id, n.parent, n.tokens, n.depth_tokens, n.hit_count) for n in rt.tree_snapshot(cid)]
     assert len(before) == 2
     assert rt.engine.demote(cid) == before[-1][3]
+    time.sleep(0.01)
     after = rt.tree_snapshot(cid)
+    assert all(n.last_access_age_s >= 0.01 for n in after)  # since the demotion
     assert [(n.id, n.parent, n.tokens, n.depth_tokens, n.hit_count) for n in after] == before
     assert {n.residency for n in after} == {"host"}
     rt.delete_conversation(cid)
