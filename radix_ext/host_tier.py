@@ -105,6 +105,11 @@ class Ranges:
                 return start
         return None
 
+    def copy(self) -> "Ranges":
+        out = Ranges(0)
+        out.free = [list(r) for r in self.free]
+        return out
+
     def release(self, start: int, n: int) -> None:
         i = next((i for i, r in enumerate(self.free) if r[0] > start), len(self.free))
         self.free.insert(i, [start, n])
@@ -159,8 +164,7 @@ class HostTier:
     def _victims(self, owner: str, n: int) -> Optional[list[str]]:
         """The shortest least-recently-stored run of droppable entries whose
         ranges, freed, leave a free range of `n`; None if none does."""
-        trial, victims = Ranges(0), []
-        trial.free = [list(r) for r in self._ranges.free]
+        trial, victims = self._ranges.copy(), []
         for other, entry in self.entries.items():
             if other == owner or self._pins.get(other):
                 continue
