@@ -28,7 +28,7 @@ import torch
 
 from radix_ext.tree import Namespace
 from session_runtime.config import ATTENTION_BACKENDS, RuntimeConfig
-from session_runtime.engine import Engine, StepRequest
+from session_runtime.backends.embedded.engine import Engine, StepRequest
 from session_runtime.model.weights import decoder_for
 from session_runtime.sampling import SamplingParams
 

@@ -83,8 +83,14 @@ class TailPlan:
 class SessionRadixCache(RadixCache):
     """A RadixCache whose conversations each hold a locked chain."""
 
-    def __init__(self, pools: KVPools):
-        super().__init__(
+    def __init__(self, params: CacheInitParams):
+        super().__init__(params)
+        self.chains: dict[str, TreeNode] = {}
+
+    @classmethod
+    def over_pools(cls, pools: KVPools) -> "SessionRadixCache":
+        """A tree over the embedded engine's own pools."""
+        return cls(
             CacheInitParams(
                 disable=False,
                 req_to_token_pool=pools.req_to_token,
@@ -92,8 +98,12 @@ class SessionRadixCache(RadixCache):
                 page_size=pools.spec.page_size,
             )
         )
-        self.pools = pools
-        self.chains: dict[str, TreeNode] = {}
+
+    @property
+    def capacity(self) -> int:
+        """Usable token slots of the KV pool (SGLang reserves page 0 for padding)."""
+        alloc = self.token_to_kv_pool_allocator
+        return alloc.num_pages * self.page_size if hasattr(alloc, "num_pages") else alloc.size
 
     # ----- chains -----------------------------------------------------------
 
@@ -300,13 +310,14 @@ class SessionRadixCache(RadixCache):
             )
         return out
 
-    def check_integrity(self, in_flight_tokens: int = 0, in_flight_locks: int = 0) -> None:
+    def check_integrity(self, in_flight_tokens: Optional[int] = 0, in_flight_locks: Optional[int] = 0) -> None:
         """Assert that pool accounting, lock counts and chains add up.
 
         `in_flight_tokens` are slots owned by running steps (not in the tree, not
-        free); `in_flight_locks` the temporary locks those steps hold.
+        free); `in_flight_locks` the temporary locks those steps hold. None skips
+        that part (a scheduler with requests running knows neither exactly).
         """
-        alloc = self.pools.allocator
+        alloc = self.token_to_kv_pool_allocator
         ps = self.page_size
         cached = 0
         seen_pages: set[int] = set()
@@ -320,10 +331,11 @@ class SessionRadixCache(RadixCache):
             cached += len(node.key)
         free_pages = set(alloc.get_all_free_pages().tolist())
         assert not (free_pages & seen_pages), "a cached page is also on the free list"
-        assert alloc.available_size() + cached + in_flight_tokens == self.pools.capacity, (
-            f"free {alloc.available_size()} + cached {cached} + in flight "
-            f"{in_flight_tokens} != capacity {self.pools.capacity}"
-        )
+        if in_flight_tokens is not None:
+            assert alloc.available_size() + cached + in_flight_tokens == self.capacity, (
+                f"free {alloc.available_size()} + cached {cached} + in flight "
+                f"{in_flight_tokens} != capacity {self.capacity}"
+            )
         assert self.evictable_size_ + self.protected_size_ == cached, "size counters drifted"
         # Every lock is a chain tail or an in-flight step: count locks per subtree.
         expected: dict[int, int] = {}
@@ -347,7 +359,8 @@ class SessionRadixCache(RadixCache):
             own = diff[node.id] - sum(diff[c.id] for c in node.children.values())
             assert own >= 0, f"node {node.id} holds fewer locks than its subtree"
             stray += own
-        assert stray == in_flight_locks, f"{stray} stray locks, expected {in_flight_locks}"
+        assert in_flight_locks is None or stray == in_flight_locks, (
+            f"{stray} stray locks, expected {in_flight_locks}")
         assert self.root_node.lock_ref == 1, "root lock changed"
 
 

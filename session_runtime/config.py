@@ -97,6 +97,12 @@ class RuntimeConfig:
     offload: str = "pressure"  # default tool-wait offload policy: never, always, ttl, pressure
     data_dir: Optional[str] = None  # SQLite store of conversations; None keeps them in memory
     model_id: str = ""  # namespace override; defaults to the model name
+    # "embedded" (our engine, in process) or "sglang" (SGLang's own server,
+    # launched as a child process group, or reached at sglang_url).
+    backend: str = "embedded"
+    sglang_url: Optional[str] = None  # a running server with --radix-cache-backend session
+    sglang_args: tuple[str, ...] = ()  # extra flags for a launched SGLang server
+    sglang_max_running: int = 32  # --max-running-requests of a launched server
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -109,6 +115,10 @@ class RuntimeConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        if self.backend not in ("embedded", "sglang"):
+            raise ValueError(f"backend must be embedded or sglang, got {self.backend!r}")
+        if self.sglang_url is not None and self.backend != "sglang":
+            raise ValueError("sglang_url needs backend 'sglang'")
         if self.host_pool_tokens is not None and self.host_pool_tokens < 0:
             raise ValueError(f"host_pool_tokens must be >= 0, got {self.host_pool_tokens}")
 

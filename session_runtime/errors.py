@@ -46,3 +46,11 @@ class ToolCallConflict(RuntimeErrorBase):
 
     status = 409
     error_type = "conflict"
+
+
+class BackendUnavailable(RuntimeErrorBase):
+    """The serving backend (an SGLang server) is down or did not answer. Nothing
+    changed; the request may be retried once it is back."""
+
+    status = 503
+    error_type = "backend_unavailable"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from radix_ext.tree import Namespace
-from session_runtime.engine import Engine, StepRequest
+from session_runtime.backends.base import Backend, StepRequest
 from session_runtime.sampling import SamplingParams
 
 
@@ -39,8 +39,8 @@ class Materializer:
     """Runs jobs on a worker thread when no user request waits, or on demand
     (`run_pending`) when built with background=False (deterministic tests)."""
 
-    def __init__(self, engine: Engine, background: bool = True):
-        self.engine = engine
+    def __init__(self, backend: Backend, background: bool = True):
+        self.backend = backend
         self.jobs: dict[str, Job] = {}
         self.cond = threading.Condition()
         self.waiting_users = 0  # user requests queued for the engine
@@ -136,9 +136,9 @@ class Materializer:
         try:
             if self.before_run is not None:
                 self.before_run(job)
-            result = self.engine.step(
+            result = self.backend.step(
                 StepRequest(owner=job.owner, prompt=job.tokens, namespace=job.namespace,
-                            sampling=SamplingParams(max_tokens=0), forced=[])
+                            sampling=SamplingParams(max_tokens=0), forced=[], background=True)
             )
             job.prefill_tokens = result.accounting.uncached_prefill_tokens
             if self.on_done is not None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from session_runtime.engine import Engine
+from session_runtime.backends.embedded.engine import Engine
 from session_runtime.errors import InvalidRequest
 
 OFFLOAD_MODES = ("never", "always", "ttl", "pressure", "discard")
@@ -33,6 +33,25 @@ class OffloadSettings:
             raise InvalidRequest(f"offload must be one of {', '.join(OFFLOAD_MODES)}; got {self.mode!r}")
         if self.ttl_s < 0 or not 0.0 <= self.min_free_fraction <= 1.0:
             raise InvalidRequest("ttl_s must be >= 0 and min_free_fraction within [0, 1]")
+
+
+class NoOffload:
+    """A backend without a host tier: tool waits are not tracked, KV stays on the device."""
+
+    def wait_started(self, owner: str, settings: OffloadSettings) -> None:
+        pass
+
+    def wait_ended(self, owner: str) -> None:
+        return None
+
+    def wait_resumed(self, owner: str, wait) -> None:
+        pass
+
+    def forget(self, owner: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class OffloadManager:

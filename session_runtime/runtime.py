@@ -1,5 +1,6 @@
-"""The runtime's Python API: conversations, turns and tool chains over the
-embedded engine. The HTTP layer and the examples call only this class.
+"""The runtime's Python API: conversations, turns and tool chains over a
+backend (the embedded engine, or SGLang's server). The HTTP layer and the
+examples call only this class.
 
     rt = Runtime(RuntimeConfig(model="tiny"))
     cid = rt.create_conversation(system="You are terse.", policy="drop")
@@ -20,11 +21,10 @@ from typing import Callable, Iterator, Optional, Sequence
 from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
-from session_runtime.engine import Engine, StepRequest, StepResult
+from session_runtime.backends.base import StepRequest, StepResult, create_backend
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest, ToolCallConflict
 from session_runtime.materializer import Materializer
-from session_runtime.offload import OffloadManager, OffloadSettings
-from session_runtime.model.weights import decoder_for
+from session_runtime.offload import NoOffload, OffloadManager, OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
@@ -37,8 +37,9 @@ from session_runtime import turns as turn_rules
 
 
 class Runtime(RuntimeInspection):
-    """Holds conversations, the engine and the materializer. Thread-safe: steps
-    of one conversation are serialized, the engine serializes all steps."""
+    """Holds conversations, the backend and the materializer. Thread-safe: steps
+    of one conversation are serialized; the embedded engine serializes all
+    steps, SGLang batches steps of different conversations."""
 
     def __init__(self, config: Optional[RuntimeConfig] = None, *, background: bool = True):
         self.config = config or RuntimeConfig()
@@ -46,16 +47,15 @@ class Runtime(RuntimeInspection):
         if self.config.template == "auto":
             qwen = self.tokenizer.inner.token_to_id("<|im_start|>") is not None
             self.config = self.config.replace(template="qwen3" if qwen else "deepseek")
-        decoder = decoder_for(self.config, min_vocab=self.tokenizer.vocab_size)
-        if self.tokenizer.vocab_size > decoder.cfg.vocab_size:
-            raise InvalidRequest(
-                f"tokenizer has {self.tokenizer.vocab_size} ids, the model only {decoder.cfg.vocab_size}"
-            )
-        self.engine = Engine(self.config, decoder)
-        self.engine.warmup()
-        self.materializer = Materializer(self.engine, background=background)
+        self.backend = create_backend(self.config, self.tokenizer)
+        # The embedded engine's internals, for its own tests and benchmarks.
+        self.engine = self.backend if self.backend.name == "embedded" else None
+        self.materializer = Materializer(self.backend, background=background)
         self.materializer.on_done = self._materialized
-        self.offload = OffloadManager(self.engine, background=background)
+        self.offload = (OffloadManager(self.backend, background=background)
+                        if self.backend.supports_offload else NoOffload())
+        if not self.backend.supports_offload:
+            self.config = self.config.replace(offload="never")
         self.model_id = self.config.model_id or self.config.model
         self.conversations: dict[str, Conversation] = {}
         self._templates: dict[str, Template] = {}
@@ -126,6 +126,9 @@ class Runtime(RuntimeInspection):
             raise InvalidRequest("tools must be a list of objects")
         template = template or self.config.template
         self.template(template)
+        if offload not in (None, "never") and not self.backend.supports_offload:
+            raise InvalidRequest(f"offload {offload!r} needs a host tier; the {self.backend.name} backend "
+                                 "has none: use offload 'never'")
         if conversation_id is not None and (not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 128):
             raise InvalidRequest("conversation_id must be a string of 1 to 128 characters")
         conv = Conversation(
@@ -213,7 +216,7 @@ class Runtime(RuntimeInspection):
             with self._lock:
                 self.conversations.pop(conv.id, None)
                 self._conv_locks.pop(conv.id, None)
-            self.engine.release(conv.id)
+            self.backend.release(conv.id)
             if self.store is not None:
                 self.store.delete(conv.id)
 
@@ -340,8 +343,8 @@ class Runtime(RuntimeInspection):
             rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
             history_len = len(tpl.render(conv.system, conv.tools, conv.history, keep, False).ids) if conv.history else 0
             counterfactual = self._counterfactual(conv, tpl, ns, new) if first else None
-            self.engine.reload(conv.id, ns, rendered.ids)  # host tier -> device, outside the engine lock
-            result = self.engine.step(
+            self.backend.reload(conv.id, ns, rendered.ids)  # host tier -> device, outside the engine lock
+            result = self.backend.step(
                 StepRequest(
                     owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,
                     forced=forced_ids, history_len=history_len,
@@ -369,7 +372,7 @@ class Runtime(RuntimeInspection):
         out = {}
         for name, keep in (("keep", turn_rules.keep_all), ("drop", turn_rules.keep_from(new[0].turn))):
             prompt = tpl.render(conv.system, conv.tools, generated, keep, True).ids
-            out[name] = turn_rules.counterfactual_entry(prompt, self.engine.probe(ns, prompt))
+            out[name] = turn_rules.counterfactual_entry(prompt, self.backend.probe(ns, prompt))
         return out
 
     def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual) -> Step:
@@ -414,7 +417,7 @@ class Runtime(RuntimeInspection):
         history, find the fork, hold the chain at the fork and maybe schedule the
         canonical branch. Returns the step's accounting with the real next context."""
         record.closed = True
-        self.engine.drop_host_copy(conv.id)  # the tool chain's copy will not be reloaded
+        self.backend.drop_host_copy(conv.id)  # the tool chain's copy will not be reloaded
         keep = conv.policy.kept_turns(conv.closed_turns)
         conv.history = [
             tpl.strip_reasoning(m)
@@ -434,14 +437,12 @@ class Runtime(RuntimeInspection):
             return self._chain_bytes(conv, acc)
         # A's KV was computed after R: past the fork nothing may be reused. Hold
         # only the shared prefix; the generated branch is left to LRU.
-        self.engine.lock_prefix(conv.id, ns, canonical[:fork])
+        self.backend.lock_prefix(conv.id, ns, canonical[:fork])
         if conv.policy.may_materialize:
-            pools = self.engine.pools
-            free = pools.allocator.available_size() + self.engine.tree.evictable_size()
             ok, why = conv.materialize.decide(
                 reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
                 answer_tokens=len(canonical) - fork,
-                free_fraction=free / pools.capacity,
+                free_fraction=self.backend.free_fraction(),
                 idle=self.materializer.waiting_users == 0,  # this request has already left
             )
             record.materialize = ("scheduled: " if ok else "skipped: ") + why
@@ -454,19 +455,20 @@ class Runtime(RuntimeInspection):
         if not conv.policy.holds_chain:
             return acc  # nothing is held: the figures are what the step inserted
         return dataclasses.replace(
-            acc, kv_device_bytes=self.engine.tree.chain_tokens(conv.id) * self.engine.bytes_per_token,
-            kv_host_bytes=self.engine.host.bytes_of(conv.id))
+            acc, kv_device_bytes=self.backend.chain_tokens(conv.id) * self.backend.bytes_per_token,
+            kv_host_bytes=self.backend.host_bytes(conv.id))
 
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up, and every chain has a conversation."""
-        with self.engine.lock:
-            self.engine.check_integrity()
-            for cid in self.engine.tree.chains:
+        self.backend.check_integrity()
+        for cid in self.backend.chain_lengths():
+            with self._lock:
                 assert cid in self.conversations, f"chain {cid} has no conversation"
 
     def close(self) -> None:
         self.materializer.close()
         self.offload.close()
+        self.backend.close()
         if self.store is not None:
             self.store.close()
 

@@ -43,7 +43,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_bf16_oracle_cold_prefix_and_decode(pair):
     from radix_ext.tree import Namespace
     from session_runtime.config import RuntimeConfig
-    from session_runtime.engine import Engine, StepRequest
+    from session_runtime.backends.embedded.engine import Engine, StepRequest
     from session_runtime.sampling import SamplingParams
 
     hf, ours = pair

@@ -23,14 +23,14 @@ def make_tree(page_size: int = 4, pool_tokens: int = 64) -> SessionRadixCache:
             num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu",
         )
     )
-    return SessionRadixCache(pools)
+    return SessionRadixCache.over_pools(pools)
 
 
 def put(tree: SessionRadixCache, tokens, ns: Namespace = NS, owner=None):
     """Insert `tokens` as the engine does: fresh page-aligned slots, duplicates
     and the partial tail page freed; optionally make it `owner`'s chain."""
     ps = tree.page_size
-    alloc = tree.pools.allocator
+    alloc = tree.token_to_kv_pool_allocator
     slots = alloc.alloc(-(-len(tokens) // ps) * ps)
     assert slots is not None, "test pool too small"
     aligned = len(tokens) // ps * ps
@@ -43,7 +43,7 @@ def put(tree: SessionRadixCache, tokens, ns: Namespace = NS, owner=None):
 
 
 def used(tree) -> int:
-    return tree.pools.capacity - tree.pools.allocator.available_size()
+    return tree.capacity - tree.token_to_kv_pool_allocator.available_size()
 
 
 def shape(tree):
@@ -325,13 +325,13 @@ def test_check_integrity_catches_a_corrupted_lock_count():
 def test_check_integrity_catches_a_leaked_or_double_owned_page():
     tree = make_tree()
     node, _ = put(tree, A, owner="c")
-    leaked = tree.pools.allocator.alloc(4)
+    leaked = tree.token_to_kv_pool_allocator.alloc(4)
     with pytest.raises(AssertionError, match="capacity"):
         tree.check_integrity()
     tree.check_integrity(in_flight_tokens=4)
-    tree.pools.allocator.free(leaked)
+    tree.token_to_kv_pool_allocator.free(leaked)
     tree.check_integrity()
-    tree.pools.allocator.free(node.value[:4])  # a cached page put back on the free list
+    tree.token_to_kv_pool_allocator.free(node.value[:4])  # a cached page put back on the free list
     with pytest.raises(AssertionError, match="free list"):
         tree.check_integrity()
 

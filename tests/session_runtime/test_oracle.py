@@ -14,7 +14,7 @@ import torch
 
 from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
-from session_runtime.engine import Engine, StepRequest
+from session_runtime.backends.embedded.engine import Engine, StepRequest
 from session_runtime.sampling import SamplingParams
 
 NS = Namespace(extra_key="t")

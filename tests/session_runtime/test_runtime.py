@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from session_runtime.accounting import attention_work
-from session_runtime.engine import StepRequest
+from session_runtime.backends.embedded.engine import StepRequest
 from session_runtime.errors import ContextTooLong, ConversationNotFound, InvalidRequest
 from session_runtime.sampling import SamplingParams
 from session_runtime.templates import Message

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -19,45 +18,14 @@ import torch
 from radix_ext.host_tier import HostTier
 from radix_ext.kv_copy import KVMover
 from radix_ext.pools import KVPools, PoolSpec, build_pools
-from radix_ext.tree import Namespace, ProbeResult, SessionRadixCache
+from radix_ext.tree import Namespace, NodeInfo, ProbeResult, SessionRadixCache
 from session_runtime.accounting import StepAccounting, attention_work
+from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming
 from session_runtime.config import RuntimeConfig
-from session_runtime.engine_host import HostTierOps
+from session_runtime.backends.embedded.engine_host import HostTierOps
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.model.decoder import Decoder
 from session_runtime.sampling import Sampler, SamplingParams, token_logprob
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    owner: str  # the chain (conversation) that will hold the result
-    prompt: Sequence[int]
-    namespace: Namespace
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    forced: Optional[Sequence[int]] = None  # output to append instead of sampling
-    history_len: int = 0  # prompt tokens that precede this step's new message
-    return_logits: bool = False  # keep logits of every computed position (tests)
-    cache_output: bool = True  # False: cache only the prompt (SGLang --strip-thinking-cache)
-    hold_chain: bool = True  # False: lock nothing after the step (SGLang: no sessions)
-    on_token: Optional[Callable[[int], None]] = None  # called with each output token (streaming)
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    total_ms: float
-    model_ms: float  # decoder forwards and sampling
-    session_ms: float  # tree match, probe, insert, lock moves, bookkeeping
-
-
-@dataclass(frozen=True)
-class StepResult:
-    output: list[int]
-    finish_reason: str  # "stop", "length" or "forced"
-    sequence: list[int]  # tokens whose KV is computed: prompt + output (minus an unfed last token)
-    logprobs: Optional[list[float]]
-    accounting: StepAccounting
-    timing: StepTiming
-    logits: Optional[torch.Tensor]  # [computed positions, vocab] when return_logits
 
 
 class _SlotBuffer:
@@ -82,8 +50,12 @@ class _SlotBuffer:
         return self.slots[self.prefix_len :]
 
 
-class Engine(HostTierOps):
+class Engine(HostTierOps, Backend):
     """Owns the decoder, the pools and the tree. Thread-safe: steps run one at a time."""
+
+    name = "embedded"
+    supports_offload = True
+    serializes_steps = True
 
     def __init__(self, config: RuntimeConfig, decoder: Decoder):
         self.config = config
@@ -97,8 +69,10 @@ class Engine(HostTierOps):
                 head_dim=cfg.head_dim, dtype=config.torch_dtype, device=config.device,
             )
         )
-        self.tree = SessionRadixCache(self.pools)
+        self.tree = SessionRadixCache.over_pools(self.pools)
         self.bytes_per_token = self.pools.spec.bytes_per_token
+        self.page_size = config.page_size
+        self.capacity = self.pools.capacity
         self.mover = KVMover(self.pools.kv)
         self.host = HostTier(self._host_arena(config.host_tokens(self.bytes_per_token)))
         self.lock = threading.RLock()
@@ -397,6 +371,44 @@ class Engine(HostTierOps):
             self.tree.release_chain(owner)
             self.host.take(owner)
             self.host.forget_evicted(owner)
+
+    def chain_tokens(self, owner: str) -> int:
+        with self.lock:
+            return self.tree.chain_tokens(owner)
+
+    def chain_lengths(self) -> dict[str, int]:
+        with self.lock:
+            return {owner: self.tree.chain_tokens(owner) for owner in list(self.tree.chains)}
+
+    def host_bytes(self, owner: str) -> int:
+        return self.host.bytes_of(owner)
+
+    def snapshot(self, preview, owner: Optional[str] = None) -> list[NodeInfo]:
+        with self.lock:
+            return (self.tree.snapshot(preview=preview, owner=owner, both=self.both_nodes())
+                    + self.host_nodes(preview, owner=owner))
+
+    def free_fraction(self) -> float:
+        with self.lock:
+            return (self.pools.allocator.available_size() + self.tree.evictable_size()) / self.pools.capacity
+
+    def gauges(self) -> dict[str, float]:
+        import dataclasses
+
+        with self.lock:
+            return {
+                "pool_capacity_tokens": self.pools.capacity,
+                "pool_free_tokens": self.pools.allocator.available_size(),
+                "tree_locked_tokens": self.tree.protected_size(),
+                "tree_evictable_tokens": self.tree.evictable_size(),
+                "host_capacity_tokens": self.host.capacity_tokens,
+                "host_used_tokens": self.host.used_tokens,
+                **{f"offload_{k}": v for k, v in dataclasses.asdict(self.host.stats).items()},
+            }
+
+    def describe(self) -> str:
+        return (f"embedded engine (page size {self.page_size}, pool {self.capacity} tokens, host tier "
+                f"{self.host.capacity_tokens} tokens, attention {self.decoder.attention.name})")
 
     def check_integrity(self) -> None:
         with self.lock:

@@ -1,0 +1,196 @@
+"""SessionRadixCache as SGLang's `session` radix-cache backend.
+
+Inside the scheduler, a request that names a conversation (`session_id`)
+leaves that conversation's chain locked at its new tail when it finishes:
+the scheduler checkpoints the request into the tree as usual, drops the
+request's own lock in `release_kv_cache`, then calls `on_release`, where the
+chain lock moves (the path stays locked all along, so nothing in between can
+evict it). The chain outlives the request; only a control command (the
+runtime saying so) releases it or moves it back to a fork point.
+
+Chains are tree locks, so they count in `protected_size()`: the scheduler's
+idle check (available + evictable + protected = total) holds unchanged, and
+the queries its idle loop makes thousands of times a second stay the parent
+class's O(1) counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+from radix_ext.sglang.control import BadCommand, ControlServer, StaleCommand, control_address
+from radix_ext.sglang.hints import intent_of
+from radix_ext.tree import Namespace, SessionRadixCache
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "session"
+
+
+class SchedulerSessionCache(SessionRadixCache):
+    """The tree SGLang's scheduler uses, with conversations' chains and a control channel."""
+
+    def __init__(self, params: CacheInitParams, control_addr: Optional[str] = None):
+        super().__init__(params)
+        self.control = ControlServer(control_addr, self.handlers()) if control_addr else None
+
+    # ----- per-request hooks (called by SGLang's scheduler) -------------------
+
+    def checkpoint(self, req, *, up_to: int, **kwargs):
+        # A finished request of a prompt-only conversation (SGLang's
+        # --strip-thinking-cache, per request) inserts only its prompt; the
+        # output's slots past the tree-owned part are freed by release_kv_cache.
+        if req.finished() and not intent_of(getattr(req, "kv_hints", None)).cache_output:
+            up_to = min(up_to, len(req.origin_input_ids))
+        return super().checkpoint(req, up_to=up_to, **kwargs)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        owner = getattr(req, "session_id", None)
+        if not owner or not checkpointed or req.last_node is None or _aborted(req):
+            return
+        intent = intent_of(getattr(req, "kv_hints", None))
+        if intent.hold:
+            # last_node is the checkpoint's tail, still in the tree: the request's
+            # lock was dropped a moment ago, on this thread, with nothing between.
+            self.set_chain(owner, req.last_node)
+        else:
+            self.release_chain(owner)
+
+    def reset(self):
+        # /flush_cache drops every node: the chains go with them.
+        super().reset()
+        if hasattr(self, "chains"):
+            self.chains.clear()
+
+    # ----- control commands (run on the scheduler thread, between batches) ---
+
+    def handlers(self) -> dict:
+        return {
+            "ping": self._cmd_ping, "pools": self._cmd_pools, "probe": self._cmd_probe,
+            "hold_prefix": self._cmd_hold_prefix, "release": self._cmd_release,
+            "snapshot": self._cmd_snapshot, "check": self._cmd_check,
+        }
+
+    def _cmd_ping(self, args: dict, scheduler: Any) -> dict:
+        import sglang
+
+        return {"backend": BACKEND_NAME, "page_size": self.page_size, "capacity": self.capacity,
+                "sglang": sglang.__version__}
+
+    def _cmd_pools(self, args: dict, scheduler: Any) -> dict:
+        return {
+            "capacity": self.capacity,
+            "available": self.token_to_kv_pool_allocator.available_size(),
+            "evictable": self.evictable_size(), "protected": self.protected_size(),
+            "chains": {owner: self.chain_tokens(owner) for owner in self.chains},
+            "running": _running(scheduler),
+        }
+
+    def _cmd_probe(self, args: dict, scheduler: Any) -> dict:
+        result = self.probe(_key(args))
+        return {"logical_len": result.logical_len, "device_len": result.device_len}
+
+    def _cmd_hold_prefix(self, args: dict, scheduler: Any) -> dict:
+        """Move the owner's chain to the longest cached page-aligned prefix of
+        `tokens` (a turn's fork point): the branch past it is no longer held."""
+        owner = _owner(args)
+        self._check_expected(owner, args)
+        key = _key(args)
+        node = self.match_prefix(MatchPrefixParams(key=key)).last_device_node
+        self.set_chain(owner, node)
+        return {"tokens": self.chain_tokens(owner)}
+
+    def _cmd_release(self, args: dict, scheduler: Any) -> dict:
+        owner = _owner(args)
+        self._check_expected(owner, args)
+        held = owner in self.chains
+        self.release_chain(owner)
+        return {"released": held}
+
+    def _cmd_snapshot(self, args: dict, scheduler: Any) -> dict:
+        owner = args.get("owner")
+        if owner is not None and not isinstance(owner, str):
+            raise BadCommand("owner must be a string")
+        preview = args.get("preview_tokens", 16)
+        if not isinstance(preview, int) or not 0 <= preview <= 256:
+            raise BadCommand("preview_tokens must be an integer in [0, 256]")
+        nodes = self.snapshot(preview=list, owner=owner, preview_tokens=preview)
+        return {"nodes": [dataclasses.asdict(n) for n in nodes]}
+
+    def _cmd_check(self, args: dict, scheduler: Any) -> dict:
+        """Tree invariants always; the pool equation and stray locks only when
+        the scheduler holds no request (then nothing is in flight)."""
+        idle = _running(scheduler) == 0
+        self.check_integrity(in_flight_tokens=0 if idle else None, in_flight_locks=0 if idle else None)
+        return {"checked": "full" if idle else "tree", "chains": len(self.chains)}
+
+    def _check_expected(self, owner: str, args: dict) -> None:
+        expect = args.get("expect_tokens")
+        if expect is None:
+            return
+        if not isinstance(expect, int):
+            raise BadCommand("expect_tokens must be an integer")
+        have = self.chain_tokens(owner)
+        if have != expect:
+            raise StaleCommand(f"chain of {owner!r} holds {have} tokens, the command expected {expect}")
+
+
+def _owner(args: dict) -> str:
+    owner = args.get("owner")
+    if not isinstance(owner, str) or not owner:
+        raise BadCommand("owner must be a non-empty string")
+    return owner
+
+
+def _key(args: dict):
+    tokens = args.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+        raise BadCommand("tokens must be a list of non-negative integers")
+    ns = {k: args.get(k) for k in ("extra_key", "cache_salt")}
+    if any(v is not None and not isinstance(v, str) for v in ns.values()):
+        raise BadCommand("extra_key and cache_salt must be strings or null")
+    return Namespace(**ns).key(tokens)
+
+
+def _aborted(req) -> bool:
+    reason = getattr(req, "finished_reason", None)
+    return reason is not None and type(reason).__name__ == "FINISH_ABORT"
+
+
+def _running(scheduler: Any) -> int:
+    """Requests the scheduler holds: waiting, running or in its last batch."""
+    if scheduler is None:
+        return 0
+    running = getattr(scheduler, "running_batch", None)
+    count = len(getattr(scheduler, "waiting_queue", ()) or ())
+    count += len(getattr(running, "reqs", ()) or ()) if running is not None else 0
+    last = getattr(scheduler, "last_batch", None)
+    count += len(getattr(last, "reqs", ()) or ()) if last is not None else 0
+    return count
+
+
+def build(ctx) -> SchedulerSessionCache:
+    """Factory for `register_radix_cache_backend`: builds the cache from SGLang's
+    TreeCacheBuildContext, with every cache parameter SGLang passes (page size,
+    eviction policy, KV events, metrics) in `ctx.params`. Raises ValueError for
+    model or server shapes a token-level session tree cannot serve."""
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
+        raise ValueError("--radix-cache-backend session serves full-attention models only "
+                         "(not hybrid sliding-window, SSM or DSA ones)")
+    if ctx.enable_hierarchical_cache:
+        raise ValueError("--radix-cache-backend session does not combine with --enable-hierarchical-cache")
+    if ctx.disable_radix_cache:
+        raise ValueError("--radix-cache-backend session needs the radix cache (drop --disable-radix-cache)")
+    if ctx.tp_size > 1:
+        raise ValueError("--radix-cache-backend session runs with --tp-size 1 for now")
+    args = ctx.server_args
+    addr = control_address(args.host or "127.0.0.1", args.port)
+    cache = SchedulerSessionCache(ctx.params, control_addr=addr)
+    logger.info("session radix cache: page size %d, eviction %s, control channel %s",
+                cache.page_size, ctx.params.eviction_policy, addr)
+    return cache

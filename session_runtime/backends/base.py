@@ -1,0 +1,140 @@
+"""The one interface the runtime talks to, and the step types it exchanges.
+
+Two implementations, each in its own folder: `embedded` (our decoder over
+SGLang's pools, one step at a time, in this process) and `sglang` (SGLang's
+own server, batched, with `radix_ext` as its radix-cache backend). Nothing
+outside a backend's folder imports its internals; `create_backend` picks one
+by name and imports it lazily.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from radix_ext.tree import Namespace, NodeInfo, ProbeResult
+from session_runtime.accounting import StepAccounting
+from session_runtime.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    owner: str  # the chain (conversation) that will hold the result
+    prompt: Sequence[int]
+    namespace: Namespace
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    forced: Optional[Sequence[int]] = None  # output to append instead of sampling
+    history_len: int = 0  # prompt tokens that precede this step's new message
+    return_logits: bool = False  # keep logits of every computed position (tests; embedded only)
+    cache_output: bool = True  # False: cache only the prompt (SGLang --strip-thinking-cache)
+    hold_chain: bool = True  # False: lock nothing after the step (SGLang: no sessions)
+    on_token: Optional[Callable[[int], None]] = None  # called with each output token (streaming)
+    background: bool = False  # idle-time work (a canonical branch): ranks below user steps
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    total_ms: float
+    model_ms: float  # decoder forwards and sampling
+    session_ms: float  # tree match, probe, insert, lock moves, bookkeeping
+
+
+@dataclass(frozen=True)
+class StepResult:
+    output: list[int]
+    finish_reason: str  # "stop", "length" or "forced"
+    sequence: list[int]  # tokens whose KV is computed: prompt + output (minus an unfed last token)
+    logprobs: Optional[list[float]]
+    accounting: StepAccounting
+    timing: StepTiming
+    logits: Optional[object] = None  # [computed positions, vocab] when return_logits (embedded)
+
+
+class Backend(ABC):
+    """What the runtime needs from whatever computes KV and holds the chains.
+
+    Every method is thread-safe. `step` leaves the owner's chain at the new
+    sequence on success and as it was on error; it raises InvalidRequest,
+    ContextTooLong, PoolExhausted or BackendUnavailable."""
+
+    name: str
+    page_size: int
+    bytes_per_token: int
+    capacity: int  # device KV slots
+    supports_offload: bool = False  # tool-wait offload to a host tier
+    serializes_steps: bool = True  # one step at a time (embedded) or batched (sglang)
+
+    @abstractmethod
+    def step(self, req: StepRequest) -> StepResult: ...
+
+    @abstractmethod
+    def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
+        """What a step with this prompt would reuse, without changing the tree.
+        The last token is excluded: it is always computed for its logits."""
+
+    @abstractmethod
+    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
+        """Move `owner`'s chain to the longest cached page-aligned prefix of
+        `tokens` (a turn's fork point); the branch past it is no longer held.
+        Returns the chain's new length."""
+
+    @abstractmethod
+    def release(self, owner: str) -> None:
+        """Forget the owner's chain (and any host copy of it)."""
+
+    @abstractmethod
+    def chain_tokens(self, owner: str) -> int: ...
+
+    @abstractmethod
+    def chain_lengths(self) -> dict[str, int]:
+        """Tokens each owner's chain holds."""
+
+    @abstractmethod
+    def snapshot(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
+        """The tree's nodes (or one owner's chain), parents first."""
+
+    @abstractmethod
+    def gauges(self) -> dict[str, float]:
+        """Pool figures for /metrics."""
+
+    @abstractmethod
+    def free_fraction(self) -> float:
+        """Device slots free or reclaimable (unlocked cache) over the pool."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Assert pools, locks and chains add up (AssertionError otherwise)."""
+
+    def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
+        """Bring an offloaded tail back before the owner's next step (host tier)."""
+
+    def drop_host_copy(self, owner: str) -> None:
+        """The owner's host copy will not be reloaded: free it."""
+
+    def host_bytes(self, owner: str) -> int:
+        return 0
+
+    def describe(self) -> str:
+        """One line for the server's ready message."""
+        return f"{self.name} backend"
+
+    def close(self) -> None:
+        """Stop what the backend started."""
+
+
+BACKENDS = ("embedded", "sglang")
+
+
+def create_backend(config, tokenizer) -> Backend:
+    """The configured backend, imported lazily (SGLang's server needs none of
+    the embedded decoder, and the other way round). Raises InvalidRequest."""
+    if config.backend == "embedded":
+        from session_runtime.backends.embedded import build
+
+        return build(config, tokenizer)
+    if config.backend == "sglang":
+        from session_runtime.backends.sglang import build
+
+        return build(config, tokenizer)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
