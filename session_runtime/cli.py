@@ -1,4 +1,5 @@
-"""`session-runtime serve`: the HTTP server over the embedded engine;
+"""`session-runtime serve`: the HTTP server over a backend (the embedded
+engine by default, or SGLang's server with `--backend sglang`);
 `session-runtime replay`: a recorded trace through the embedded runtime."""
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="session-runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the session HTTP API")
+    serve.add_argument("--backend", default=_DEFAULTS.backend, choices=["embedded", "sglang"],
+                       help="embedded: our engine in this process, one step at a time; sglang: SGLang's own "
+                            "server (batched), launched from these model flags or given by --sglang-url")
+    serve.add_argument("--sglang-url", default=None,
+                       help="with --backend sglang: a running SGLang server started with "
+                            "--radix-cache-backend session (default: launch one)")
+    serve.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
+                       help="an extra flag for the SGLang server the runtime launches (repeatable), "
+                            "e.g. --sglang-arg=--chunked-prefill-size=2048")
+    serve.add_argument("--sglang-max-running", type=int, default=_DEFAULTS.sglang_max_running,
+                       help="--max-running-requests of the launched SGLang server")
     serve.add_argument("--model", default=_DEFAULTS.model,
                        help=f"a preset ({', '.join(PRESETS)}) or a local Hugging Face folder")
     serve.add_argument("--device", default=_DEFAULTS.device, help="cpu or cuda")
@@ -54,7 +66,18 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
         policy=args.policy, template=args.template, data_dir=args.data_dir or None,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload,
+        backend=args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
+        sglang_max_running=args.sglang_max_running,
     )
+
+
+def _split_args(flags: list[str]) -> list[str]:
+    """`--sglang-arg=--x=1` and `--sglang-arg='--x 1'` both give SGLang `--x 1`."""
+    out: list[str] = []
+    for flag in flags:
+        for part in flag.split():
+            out.extend(part.split("=", 1) if part.startswith("--") and "=" in part else [part])
+    return out
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -67,7 +90,9 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"session-runtime: {exc}", file=sys.stderr)
         return 2
-    print(f"session-runtime: loading {config.model} on {config.device} (importing SGLang takes 6-20 s), "
+    wait = "starting SGLang's server takes about a minute on a CPU" if config.backend == "sglang" else \
+        "importing SGLang takes 6-20 s"
+    print(f"session-runtime: loading {config.model} on {config.device} with the {config.backend} backend ({wait}), "
           f"then serving http://{args.host}:{args.port}", flush=True)
     from session_runtime.api.app import create_app
     from session_runtime.errors import InvalidRequest
@@ -79,13 +104,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"session-runtime: {exc}", file=sys.stderr)
         return 2
     app = create_app(runtime)
-    print(
-        f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
-        f"http://{args.host}:{args.port} (page size {config.page_size}, pool {config.pool_tokens} tokens, "
-        f"host tier {runtime.engine.host.capacity_tokens} tokens, attention {runtime.engine.decoder.attention.name})",
-        flush=True,
-    )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    print(f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
+          f"http://{args.host}:{args.port} ({runtime.backend.describe()})", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        runtime.close()  # stops a launched SGLang server's whole process group
     return 0
 
 

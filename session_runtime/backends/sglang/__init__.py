@@ -1,0 +1,120 @@
+"""The SGLang backend: launch SGLang's server (or connect to one) with
+`radix_ext`'s `session` radix-cache backend, and step conversations on it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+import httpx
+
+from radix_ext.sglang.control import ControlClient, ControlError, control_address
+from session_runtime.backends.sglang.backend import SGLangBackend
+from session_runtime.backends.sglang.launcher import LaunchFailed, LaunchSpec, launch
+from session_runtime.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+_ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def model_folder(config, tokenizer) -> Path:
+    """The Hugging Face folder SGLang loads: the model folder itself, or a preset's
+    random weights saved once under the data directory (or the user's cache when
+    conversations are kept in memory). Raises InvalidRequest."""
+    from session_runtime.config import PRESETS
+
+    if config.model in PRESETS:
+        from session_runtime.model.export import export_preset
+
+        base = Path(config.data_dir) / "models" if config.data_dir else Path.home() / ".cache" / "session-runtime" / "models"
+        return export_preset(config.model, config.seed, base, min_vocab=tokenizer.vocab_size)
+    folder = Path(config.model)
+    if not (folder / "config.json").is_file():
+        raise InvalidRequest(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
+                             "folder with config.json")
+    return folder
+
+
+def _kv_shape(folder: Path, dtype: str) -> tuple[int, int]:
+    """(bytes of KV per token, vocabulary size) from the folder's config.json."""
+    raw = json.loads((folder / "config.json").read_text())
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    kv_heads = raw.get("num_key_value_heads", heads)
+    return 2 * raw["num_hidden_layers"] * kv_heads * head_dim * _ELEM[dtype], raw["vocab_size"]
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _server_info(url: str) -> dict:
+    try:
+        resp = httpx.get(f"{url}/server_info", timeout=30.0)
+        resp.raise_for_status()
+        return resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise InvalidRequest(f"cannot read {url}/server_info: {exc}") from None
+
+
+def build(config, tokenizer) -> SGLangBackend:
+    """Launch (or connect to) the server and check it runs our backend. Raises
+    InvalidRequest naming the cause when it cannot start or is not ours."""
+    server = None
+    if config.sglang_url:
+        url = config.sglang_url.rstrip("/")
+        if not _ready(url):
+            raise InvalidRequest(f"no SGLang server answers at {url}/health")
+    else:
+        folder = model_folder(config, tokenizer)
+        spec = LaunchSpec(
+            model_path=str(folder), page_size=config.page_size, max_total_tokens=config.pool_tokens,
+            dtype=config.dtype, device=config.device, context_length=config.max_context,
+            max_running_requests=config.sglang_max_running, seed=config.seed, extra_args=tuple(config.sglang_args),
+            log_path=str(Path(config.data_dir) / "sglang.log") if config.data_dir else None,
+        )
+        try:
+            server = launch(spec, _ready)
+        except LaunchFailed as exc:
+            raise InvalidRequest(str(exc)) from None
+        url = server.url
+    try:
+        return _connect(config, tokenizer, url, server)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+
+
+def _connect(config, tokenizer, url: str, server) -> SGLangBackend:
+    info = _server_info(url)
+    if info.get("radix_cache_backend") != "session":
+        raise InvalidRequest(
+            f"the SGLang server at {url} runs radix-cache backend {info.get('radix_cache_backend')!r}; the runtime "
+            "needs 'session': start it with --radix-cache-backend session, with session-runtime installed in "
+            "its Python environment")
+    if not info.get("skip_tokenizer_init"):
+        logger.warning("the SGLang server at %s tokenizes text too; the runtime sends token ids only "
+                       "(--skip-tokenizer-init saves its tokenizer process)", url)
+    parsed = urlparse(url)
+    control = ControlClient(control_address(parsed.hostname or "127.0.0.1", parsed.port or 80))
+    try:
+        ping = control.call("ping", timeout_s=30.0)
+    except ControlError as exc:
+        raise InvalidRequest(f"the session backend's control channel at {control.address} does not answer: "
+                             f"{exc} (set SESSION_RUNTIME_CONTROL_ADDR if the server uses another address)") from None
+    folder = Path(info.get("model_path") or config.model)
+    dtype = info.get("dtype") if info.get("dtype") in _ELEM else config.dtype
+    bytes_per_token, vocab = _kv_shape(folder, dtype) if (folder / "config.json").is_file() else (0, 1 << 31)
+    if tokenizer.vocab_size > vocab:
+        raise InvalidRequest(f"tokenizer has {tokenizer.vocab_size} ids, the model only {vocab}")
+    context = min(config.max_context, int(info.get("context_length") or config.max_context))
+    return SGLangBackend(url, control, page_size=ping["page_size"], capacity=ping["capacity"],
+                         bytes_per_token=bytes_per_token, vocab_size=vocab, max_context=context, server=server)

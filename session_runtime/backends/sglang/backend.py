@@ -1,0 +1,323 @@
+"""The SGLang backend: SGLang's own server computes every step, batched, and
+its scheduler holds the conversations' chains in `radix_ext`'s `session`
+radix-cache backend.
+
+A step is one `/generate` with our template's token ids, the conversation id
+as `session_id` and the chain intent in `kv_hints`; the server streams output
+ids back. Forced output (replay) is prefilled as part of the input with no new
+tokens, so its KV lands in the chain as if generated. What has no request of
+its own (a fork point, a release, a snapshot, an integrity check) goes over
+the control channel to the scheduler's thread. Requests on different
+conversations run concurrently here: SGLang batches them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Callable, Optional, Sequence
+
+import httpx
+
+from radix_ext.sglang.control import ChannelDown, ControlClient, ControlError
+from radix_ext.sglang.hints import ChainIntent
+from radix_ext.tree import Namespace, NodeInfo, ProbeResult
+from session_runtime.accounting import StepAccounting, attention_work
+from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming
+from session_runtime.errors import BackendUnavailable, ContextTooLong, InvalidRequest, PoolExhausted
+
+logger = logging.getLogger(__name__)
+
+USER_PRIORITY = 1  # with --enable-priority-scheduling a higher value runs first
+BACKGROUND_PRIORITY = 0
+
+
+class SGLangBackend(Backend):
+    """Talks to one SGLang server (launched by us or given by URL)."""
+
+    name = "sglang"
+    supports_offload = False
+    serializes_steps = False
+
+    def __init__(self, url: str, control: ControlClient, *, page_size: int, capacity: int,
+                 bytes_per_token: int, vocab_size: int, max_context: int, server=None,
+                 timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.control = control
+        self.page_size = page_size
+        self.capacity = capacity
+        self.bytes_per_token = bytes_per_token
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.server = server  # a LaunchedServer, or None for --sglang-url
+        self.restarts = 0
+        self._closing = False
+        self._restart_lock = threading.Lock()
+        self._restarting: Optional[threading.Thread] = None
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+
+    # ----- steps --------------------------------------------------------------
+
+    def step(self, req: StepRequest) -> StepResult:
+        self._check_server()
+        t0 = time.perf_counter()
+        prompt = list(req.prompt)
+        forced = None if req.forced is None else list(req.forced)
+        self._validate(prompt, forced, req.sampling.max_tokens)
+        n = len(prompt)
+        logical = self.probe(req.namespace, prompt).logical_len
+        body = self._body(req, prompt, forced)
+        chunks = self._stream(body)
+        first_t = last_t = None
+        output: list[int] = []
+        final: dict = {}
+        for chunk in chunks:
+            now = time.perf_counter()
+            ids = chunk.get("output_ids") or []
+            if first_t is None and (ids or forced is not None):
+                first_t = now
+            for tok in ids[len(output):]:
+                if req.on_token is not None and forced is None:
+                    req.on_token(tok)
+            if len(ids) > len(output):
+                last_t = now
+            output = list(ids)
+            final = chunk
+        meta = final.get("meta_info") or {}
+        reason = meta.get("finish_reason") or {}
+        if not final or reason.get("type") == "abort":
+            raise self._abort_error(reason.get("message") if reason else "the stream ended without a result")
+        end_t = time.perf_counter()
+        first_t = first_t or end_t
+        if forced is not None:
+            output, finish = forced, "forced"
+            computed = prompt + forced
+            for tok in forced if req.on_token else ():
+                req.on_token(tok)
+            logprobs = _forced_logprobs(meta, len(forced)) if req.sampling.logprobs else None
+        else:
+            finish = "stop" if reason.get("type") == "stop" else "length"
+            computed = prompt + output[:-1] if output else prompt
+            logprobs = [e[0] for e in meta.get("output_token_logprobs") or []] if req.sampling.logprobs else None
+        cached = min(int(meta.get("cached_tokens") or 0), n)
+        ps = self.page_size
+        held = (len(computed) if req.cache_output else n) // ps * ps if req.hold_chain else 0
+        total_ms = (end_t - t0) * 1e3
+        accounting = StepAccounting(
+            prompt_tokens=n, cached_input_tokens=cached, host_loaded_tokens=0,
+            uncached_prefill_tokens=n - cached, logical_reusable_tokens=logical,
+            alignment_loss_tokens=max(0, logical - cached),
+            recomputed_history_tokens=max(0, min(req.history_len, n) - cached),
+            active_context_length=len(computed), output_tokens=len(output),
+            kv_device_bytes=held * self.bytes_per_token, kv_host_bytes=0,
+            # SGLang does not report its prefill time per request: the first
+            # token as this client sees it bounds it from above.
+            prefill_ms=(first_t - t0) * 1e3, ttft_ms=(first_t - t0) * 1e3,
+            tpot_ms=((last_t - first_t) / (len(output) - 1) * 1e3) if forced is None and len(output) > 1 and last_t else 0.0,
+            attention_work=attention_work(n - cached, cached),
+        )
+        return StepResult(output=output, finish_reason=finish, sequence=computed, logprobs=logprobs,
+                          accounting=accounting, timing=StepTiming(total_ms, total_ms, 0.0))
+
+    def _validate(self, prompt: list[int], forced: Optional[list[int]], max_tokens: int) -> None:
+        n = len(prompt)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        extra = len(forced or ())
+        if n + extra >= self.max_context:
+            raise ContextTooLong(f"prompt of {n} tokens (plus {extra} forced) does not fit the context "
+                                 f"limit of {self.max_context}")
+        ids = prompt + (forced or [])
+        if max(ids) >= self.vocab_size or min(ids) < 0:
+            raise InvalidRequest(f"token id out of the model's vocabulary (0..{self.vocab_size - 1})")
+        # SGLang queues what does not fit yet; what can never fit is refused here.
+        if n + extra > self.capacity:
+            raise PoolExhausted(f"the step needs {n + extra} KV slots; the server's pool holds {self.capacity}")
+
+    def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]]) -> dict:
+        sp = req.sampling
+        params: dict = {"temperature": sp.temperature, "stop_token_ids": sorted(sp.stop_token_ids)}
+        if sp.seed is not None:
+            params["sampling_seed"] = sp.seed % 2**31
+        body: dict = {
+            "input_ids": prompt if forced is None else prompt + forced,
+            "sampling_params": params, "stream": True, "session_id": req.owner,
+            "kv_hints": ChainIntent(hold=req.hold_chain, cache_output=req.cache_output).envelope(uuid.uuid4().hex),
+            "priority": BACKGROUND_PRIORITY if req.background else USER_PRIORITY,
+        }
+        if req.namespace.extra_key is not None:
+            body["extra_key"] = req.namespace.extra_key
+        if req.namespace.cache_salt is not None:
+            body["cache_salt"] = req.namespace.cache_salt
+        if forced is None:
+            params["max_new_tokens"] = min(sp.max_tokens, self.max_context - len(prompt))
+            body["return_logprob"] = sp.logprobs
+        else:
+            params["max_new_tokens"] = 0
+            if sp.logprobs and forced:
+                # Logprobs of the forced tokens: SGLang gives input position i the
+                # logprob of token i given 0..i-1, and none for the first position.
+                body["return_logprob"] = True
+                body["logprob_start_len"] = len(prompt) - 1
+        return body
+
+    def _stream(self, body: dict):
+        """Yield each streamed JSON chunk. Raises BackendUnavailable when the
+        server cannot be reached, InvalidRequest when it refuses the request."""
+        try:
+            with self.http.stream("POST", f"{self.url}/generate", json=body) as resp:
+                if resp.status_code >= 400:
+                    text = resp.read().decode(errors="replace")
+                    raise self._http_error(resp.status_code, text)
+                for line in resp.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise self._abort_error(str(chunk["error"]))
+                    yield chunk
+        except httpx.TransportError as exc:
+            raise BackendUnavailable(self._down(f"{type(exc).__name__}: {exc}")) from None
+
+    # ----- a launched server that dies is started again ------------------------
+
+    def _check_server(self) -> None:
+        """Raise BackendUnavailable while a launched server is down, and start it
+        again (once, in the background) when it has exited. Its tree starts
+        empty: the conversations' next steps rebuild their KV by prefill."""
+        if self.server is None or self.server.alive() and self._restarting is None:
+            return
+        with self._restart_lock:
+            if self._restarting is None and not self.server.alive():
+                code = self.server.process.returncode
+                logger.error("SGLang's server exited with code %s; starting it again", code)
+                self._restarting = threading.Thread(target=self._restart, name="sglang-restart", daemon=True)
+                self._restarting.start()
+            if self._restarting is not None:
+                raise BackendUnavailable(f"SGLang server at {self.url} is restarting after it exited; nothing "
+                                         "changed, retry in a minute")
+
+    def _restart(self) -> None:
+        from session_runtime.backends.sglang.launcher import LaunchFailed, relaunch
+
+        try:
+            self.server.stop()  # what is left of its process group
+            self.server = relaunch(self.server)
+            self.restarts += 1
+            if self._closing:  # the runtime stopped while this one started
+                self.server.stop()
+                return
+            logger.warning("SGLang's server is back at %s after %.0f s", self.url, self.server.started_s)
+        except LaunchFailed as exc:
+            logger.error("SGLang's server did not come back: %s", exc)
+        finally:
+            with self._restart_lock:
+                self._restarting = None
+
+    def _down(self, why: str) -> str:
+        state = ""
+        if self.server is not None and not self.server.alive():
+            state = f" (the SGLang process exited with code {self.server.process.returncode})"
+        return f"SGLang server at {self.url} is unavailable{state}: {why}; nothing changed, retry once it is back"
+
+    def _http_error(self, status: int, text: str):
+        try:
+            message = json.loads(text).get("error", {}).get("message") or text
+        except (ValueError, AttributeError):
+            message = text
+        if status >= 500:
+            return BackendUnavailable(self._down(f"HTTP {status}: {message}"))
+        return InvalidRequest(f"SGLang refused the step: {message}")
+
+    def _abort_error(self, message: Optional[str]):
+        message = message or "aborted"
+        if self.server is not None and not self.server.alive():
+            return BackendUnavailable(self._down(message))
+        lowered = message.lower()
+        if "kv" in lowered and ("memory" in lowered or "pool" in lowered or "cache" in lowered):
+            return PoolExhausted(f"SGLang aborted the step: {message}")
+        return InvalidRequest(f"SGLang aborted the step: {message}")
+
+    # ----- the tree, over the control channel ---------------------------------
+
+    def _call(self, name: str, **args):
+        self._check_server()
+        try:
+            return self.control.call(name, **args)
+        except ChannelDown as exc:
+            raise BackendUnavailable(self._down(exc.message)) from None
+
+    def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
+        tokens = list(tokens)[: max(len(tokens) - 1, 0)]
+        got = self._call("probe", tokens=tokens, **_ns(namespace))
+        return ProbeResult(logical_len=got["logical_len"], device_len=got["device_len"])
+
+    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
+        return self._call("hold_prefix", owner=owner, tokens=list(tokens), **_ns(namespace))["tokens"]
+
+    def release(self, owner: str) -> None:
+        try:
+            self._call("release", owner=owner)
+        except BackendUnavailable:
+            pass  # a server that is gone holds no chain; one that restarts starts empty
+
+    def chain_tokens(self, owner: str) -> int:
+        return self.chain_lengths().get(owner, 0)
+
+    def chain_lengths(self) -> dict[str, int]:
+        return dict(self._call("pools")["chains"])
+
+    def snapshot(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
+        nodes = self._call("snapshot", owner=owner)["nodes"]
+        return [NodeInfo(**{**n, "preview": preview(n["preview"]), "owners": tuple(n["owners"])}) for n in nodes]
+
+    def pools(self) -> dict:
+        return self._call("pools")
+
+    def gauges(self) -> dict[str, float]:
+        p = self.pools()
+        return {"pool_capacity_tokens": p["capacity"], "pool_free_tokens": p["available"],
+                "tree_locked_tokens": p["protected"], "tree_evictable_tokens": p["evictable"],
+                "sglang_requests_in_scheduler": p["running"]}
+
+    def free_fraction(self) -> float:
+        p = self.pools()
+        return (p["available"] + p["evictable"]) / p["capacity"]
+
+    def check_integrity(self) -> None:
+        try:
+            self._call("check")
+        except ControlError as exc:
+            raise AssertionError(f"SGLang tree: {exc}") from None
+
+    def describe(self) -> str:
+        where = f"launched in {self.server.started_s:.0f} s" if self.server is not None else "given by --sglang-url"
+        return f"SGLang server at {self.url} ({where}; page size {self.page_size}, pool {self.capacity} tokens)"
+
+    def close(self) -> None:
+        self.http.close()
+        if self.server is not None:
+            self._closing = True
+            self.server.stop()
+            restarting = self._restarting
+            if restarting is not None:
+                restarting.join(timeout=1)
+                self.server.stop()
+
+
+def _ns(namespace: Namespace) -> dict:
+    return {"extra_key": namespace.extra_key, "cache_salt": namespace.cache_salt}
+
+
+def _forced_logprobs(meta: dict, count: int) -> list[float]:
+    entries = meta.get("input_token_logprobs") or []
+    values = [e[0] for e in entries[1:]]
+    assert len(values) == count, f"SGLang returned {len(values)} input logprobs for {count} forced tokens"
+    return values

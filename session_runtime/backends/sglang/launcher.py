@@ -1,0 +1,185 @@
+"""Launch SGLang's server as a child process group from the runtime's model
+flags, wait until it serves, and stop it (the whole group) within seconds.
+
+The server runs `radix_ext`'s `session` radix-cache backend; on `--device cpu`
+our out-of-tree CPU platform is switched on for it (SESSION_RUNTIME_SGLANG_CPU).
+Its output goes to a log file whose tail names the cause of a failed start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from radix_ext.sglang.control import PORT_OFFSET
+from radix_ext.sglang.platform import ENV as CPU_PLATFORM_ENV
+
+START_TIMEOUT_S = 600.0
+
+
+class LaunchFailed(RuntimeError):
+    """SGLang's server did not come up; the message names why (its log's tail)."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    model_path: str
+    page_size: int
+    max_total_tokens: int
+    dtype: str
+    device: str
+    context_length: int
+    max_running_requests: int = 32
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: Optional[int] = None  # None: a free one (with its control port free too)
+    extra_args: tuple[str, ...] = ()
+    log_path: Optional[str] = None
+
+    def argv(self, port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path, "--skip-tokenizer-init",
+            "--host", self.host, "--port", str(port),
+            "--device", self.device, "--dtype", self.dtype,
+            "--page-size", str(self.page_size), "--max-total-tokens", str(self.max_total_tokens),
+            "--context-length", str(self.context_length),
+            "--max-running-requests", str(self.max_running_requests),
+            "--radix-cache-backend", "session",
+            # Canonical-branch prefills rank below user steps.
+            "--enable-priority-scheduling",
+            # An idle scheduler otherwise spins a core.
+            "--sleep-on-idle",
+            "--random-seed", str(self.seed),
+            *self.extra_args,
+        ]
+
+
+def relaunch(old: "LaunchedServer", timeout_s: float = START_TIMEOUT_S) -> "LaunchedServer":
+    """Start a stopped server again on the same port (so its URL and its
+    control channel's address stay the same). Raises LaunchFailed."""
+    from dataclasses import replace
+    from urllib.parse import urlparse
+
+    return launch(replace(old.spec, port=urlparse(old.url).port, log_path=old.log_path), old.ready, timeout_s)
+
+
+@dataclass
+class LaunchedServer:
+    """A running SGLang server this process started."""
+
+    spec: LaunchSpec
+    url: str
+    process: subprocess.Popen
+    log_path: str
+    ready: object = None  # the readiness check it was started with
+    started_s: float = 0.0
+    _stopped: bool = field(default=False, repr=False)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after grace_s."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(self.process.pid):
+                self.process.poll()
+                time.sleep(0.05)
+            if not _group_alive(self.process.pid):
+                break
+        self.process.poll()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie leader keeps the group "alive" until reaped.
+    return not _only_zombies(pgid)
+
+
+def _only_zombies(pgid: int) -> bool:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now whose control-channel port is free too."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port + PORT_OFFSET > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port + PORT_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise LaunchFailed("no free port pair for SGLang and its control channel")
+
+
+def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S) -> LaunchedServer:
+    """Start the server and wait until `ready(url)` returns True. Raises
+    LaunchFailed with the log's tail when the process exits or times out."""
+    port = spec.port or free_port(spec.host)
+    url = f"http://{spec.host}:{port}"
+    log_path = spec.log_path or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1]
+    env = dict(os.environ)
+    if spec.device == "cpu":
+        env[CPU_PLATFORM_ENV] = "1"
+    t0 = time.monotonic()
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(spec.argv(port), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # its own process group: stop() kills all of it
+    server = LaunchedServer(spec, url, proc, log_path, ready)
+    deadline = t0 + timeout_s
+    while time.monotonic() < deadline:
+        if not server.alive():
+            tail = server.log_tail()
+            server.stop()
+            raise LaunchFailed(f"SGLang's server exited with code {proc.returncode} during start-up "
+                               f"(log {log_path}):\n{tail}")
+        if ready(url):
+            server.started_s = time.monotonic() - t0
+            return server
+        time.sleep(0.5)
+    tail = server.log_tail()
+    server.stop()
+    raise LaunchFailed(f"SGLang's server was not ready within {timeout_s:.0f} s (log {log_path}):\n{tail}")
