@@ -24,14 +24,23 @@ def small_model_config(arch: str) -> ModelConfig:
     return ModelConfig(arch=arch, **SMALL_SHAPE)
 
 
-def _hf_model(arch: str, seed: int):
-    """A transformers model of SMALL_SHAPE with seeded random weights, scaled up
+# The tiny preset's shape with the bundled DeepSeek tokenizer's vocabulary: the
+# model folder the SGLang-backend tests serve (templates need every token id).
+TINY_SHAPE = dict(
+    vocab_size=129280, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+    head_dim=64, intermediate_size=512, rope_theta=1e6, rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+def _hf_model(arch: str, seed: int, shape: dict = SMALL_SHAPE):
+    """A transformers model of `shape` with seeded random weights, scaled up
     from HF's std-0.02 init so attention is far from uniform and the argmax
     is decisive (a weak init would hide masking/position bugs)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     cls_cfg, cls_model = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
-    s = SMALL_SHAPE
+    s = shape
     cfg = cls_cfg(
         vocab_size=s["vocab_size"], hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
         num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"], head_dim=s["head_dim"],
@@ -86,5 +95,50 @@ def tiny_runtime():
     from session_runtime.runtime import Runtime
 
     rt = Runtime(RuntimeConfig(model="tiny", pool_tokens=16384, max_context=256), background=False)
+    yield rt
+    rt.close()
+
+
+# ----- the SGLang backend ------------------------------------------------------
+# One SGLang server per test session (a start costs about 70 CPU-seconds and
+# 4-5 GB): every SGLang-backend test shares it, each with its own conversations.
+# When it cannot start here the tests that need it fail: they never skip.
+
+SGLANG_POOL = 2048
+SGLANG_CONTEXT = 4096
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_folder(tmp_path_factory):
+    """The tiny shape with DeepSeek's vocabulary, saved by transformers as a
+    Hugging Face folder (random weights, scaled as in `_hf_model`)."""
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    model = _hf_model("qwen3", seed=4321, shape=TINY_SHAPE)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _folder_runtime(folder, backend: str):
+    from session_runtime.config import RuntimeConfig
+    from session_runtime.runtime import Runtime
+
+    return Runtime(RuntimeConfig(model=str(folder), backend=backend, page_size=16, pool_tokens=SGLANG_POOL,
+                                 max_context=SGLANG_CONTEXT, template="deepseek", data_dir=None, offload="never"),
+                   background=False)
+
+
+@pytest.fixture(scope="session")
+def sglang_runtime(tiny_hf_folder):
+    """A Runtime on SGLang's real server (launched by the runtime), serving
+    `tiny_hf_folder`; pool 2048 tokens, context 4096, page 16."""
+    rt = _folder_runtime(tiny_hf_folder, "sglang")
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="session")
+def embedded_twin(tiny_hf_folder):
+    """The embedded engine over the same folder and sizes as `sglang_runtime`."""
+    rt = _folder_runtime(tiny_hf_folder, "embedded")
     yield rt
     rt.close()

@@ -1,0 +1,257 @@
+"""The SGLang-facing pieces without a server: the platform switch, the
+kv_hints intent, the backend factory's refusals, the scheduler-side chain
+hooks and the control channel, on a SchedulerSessionCache over real pools.
+(The same code inside SGLang's real server: tests/backends/.)"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from radix_ext.pools import PoolSpec, build_pools
+from radix_ext.sglang import platform
+from radix_ext.sglang.control import BadCommand, Command, ControlClient, ControlError, StaleCommand
+from radix_ext.sglang.hints import ACTION_TYPE, ChainIntent, intent_of
+
+PAGE = 4
+
+
+def test_entry_points_are_registered():
+    assert [e.value for e in entry_points(group="sglang.srt.platforms") if e.name == "session_cpu"] == [
+        "radix_ext.sglang.platform:activate"]
+    assert [e.value for e in entry_points(group="sglang.srt.plugins") if e.name == "session_runtime"] == [
+        "radix_ext.sglang.plugin:register"]
+
+
+def test_platform_switches_on_only_when_asked(monkeypatch):
+    monkeypatch.delenv(platform.ENV, raising=False)
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    assert platform.activate() is None
+    monkeypatch.setenv(platform.ENV, "1")
+    assert platform.activate() == "radix_ext.sglang.platform.SessionCpuPlatform"
+    monkeypatch.delenv(platform.ENV)
+    monkeypatch.setenv("SGLANG_PLATFORM", "session_cpu")
+    assert platform.activate() is not None
+
+
+def test_platform_class_is_sglangs_oot_cpu_platform():
+    from sglang.srt.platforms.interface import PlatformEnum, SRTPlatform
+
+    cls = platform.SessionCpuPlatform
+    p = cls()
+    assert isinstance(p, SRTPlatform) and cls._enum == PlatformEnum.OOT
+    assert p.get_device() == "cpu" and p.get_dispatch_key_name() == "native"
+    assert p.is_pin_memory_available() is False
+    args = SimpleNamespace(attention_backend=None, sampling_backend="flashinfer")
+    p.apply_server_args_defaults(args)
+    assert (args.attention_backend, args.sampling_backend) == ("torch_native", "pytorch")
+
+
+def _envelope(payload, version="1", action_type=ACTION_TYPE):
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
+    env = ChainIntent().envelope("m")
+    env["actions"][0].update(payload=payload, action_version=version, action_type=action_type)
+    return decode_kv_hints_envelope(env)
+
+
+def test_intent_round_trips_through_sglangs_envelope():
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
+    for intent in (ChainIntent(), ChainIntent(hold=False), ChainIntent(cache_output=False)):
+        assert intent_of(decode_kv_hints_envelope(intent.envelope("m1"))) == intent
+    assert intent_of(None) == ChainIntent()
+
+
+@pytest.mark.parametrize("payload,version,action_type", [
+    ({"hold": "yes"}, "1", ACTION_TYPE),       # wrong type
+    ({"hold": False, "extra": 1}, "1", ACTION_TYPE),  # unknown field
+    ({"hold": False}, "2", ACTION_TYPE),       # unknown version
+    ({"hold": False}, "1", "someone.else"),    # not ours: ignored
+])
+def test_malformed_or_foreign_intent_falls_back_to_the_default(payload, version, action_type):
+    assert intent_of(_envelope(payload, version, action_type)) == ChainIntent()
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("is_hybrid_swa", "full-attention"), ("enable_hierarchical_cache", "hierarchical"),
+    ("disable_radix_cache", "needs the radix cache"),
+])
+def test_factory_refuses_what_it_cannot_serve(flag, message):
+    from radix_ext.sglang.cache import build
+
+    ctx = SimpleNamespace(is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False, enable_hierarchical_cache=False,
+                          disable_radix_cache=False, tp_size=1)
+    setattr(ctx, flag, True)
+    with pytest.raises(ValueError, match=message):
+        build(ctx)
+
+
+def test_command_decoding_refuses_malformed_messages():
+    assert Command.decode(Command("ping", {}).encode()) == Command("ping", {})
+    for raw in (b"not json", b"[1]", b'{"v": 2, "cmd": "ping"}', b'{"v": 1, "cmd": 3}', b'{"v": 1, "cmd": "x", "args": []}'):
+        with pytest.raises(BadCommand):
+            Command.decode(raw)
+
+
+# ----- the scheduler-side cache over real pools -----------------------------------
+
+
+def _free_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def served_cache():
+    """A SchedulerSessionCache whose control channel is served by a thread that
+    stands in for the scheduler loop (the only thread touching the tree)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from radix_ext.sglang.cache import SchedulerSessionCache
+
+    pools = build_pools(PoolSpec(pool_tokens=64, page_size=PAGE, max_running=4, max_context=64, num_layers=1,
+                                 num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu"))
+    addr = _free_addr()
+    cache = SchedulerSessionCache(CacheInitParams(disable=False, req_to_token_pool=pools.req_to_token,
+                                                  token_to_kv_pool_allocator=pools.allocator, page_size=PAGE),
+                                  control_addr=addr)
+    scheduler = SimpleNamespace(waiting_queue=[], running_batch=None, last_batch=None, idle_sleeper=None)
+    stop = threading.Event()
+    lock = threading.Lock()  # held while the "scheduler" runs a command or a request hook
+
+    def loop():
+        while not stop.is_set():
+            with lock:
+                cache.control.serve(scheduler)
+            stop.wait(0.002)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield cache, ControlClient(addr, timeout_s=10), pools, lock
+    stop.set()
+    thread.join(timeout=5)
+    cache.control.close()
+
+
+def _finish(cache, pools, lock, owner, tokens, intent=ChainIntent(), aborted=False):
+    """What the scheduler does for a finished request: insert, lock, release."""
+    from radix_ext.tree import Namespace
+
+    with lock:
+        key = Namespace().key(tokens)
+        slots = pools.allocator.alloc(len(tokens))
+        node, prefix = cache.insert_sequence(key, slots)
+        if prefix:
+            pools.allocator.free(slots[:prefix])
+        lock_ref = cache.lock(node)
+        cache.unlock(lock_ref)
+        reason = SimpleNamespace() if not aborted else type("FINISH_ABORT", (), {})()
+        req = SimpleNamespace(session_id=owner, last_node=node, kv_hints=_decoded(intent), finished_reason=reason)
+        cache.on_release(req, checkpointed=True)
+        return node
+
+
+def _decoded(intent):
+    from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: F401  (imports sglang's envelope type)
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
+    return decode_kv_hints_envelope(intent.envelope("m"))
+
+
+def test_finished_request_moves_the_chain_and_control_reads_it(served_cache):
+    cache, client, pools, lock = served_cache
+    assert client.call("ping")["backend"] == "session"
+    _finish(cache, pools, lock, "a", list(range(1, 13)))
+    _finish(cache, pools, lock, "b", list(range(1, 9)) + [50, 51, 52, 53])
+    got = client.call("pools")
+    assert got["chains"] == {"a": 12, "b": 12} and got["protected"] == 16 and got["evictable"] == 0
+    nodes = client.call("snapshot")["nodes"]
+    assert sorted((n["tokens"], tuple(n["owners"])) for n in nodes) == [(4, ("a",)), (4, ("b",)), (8, ("a", "b"))]
+    assert client.call("snapshot", owner="b")["nodes"][-1]["preview"] == [50, 51, 52, 53]
+    assert client.call("probe", tokens=list(range(1, 11))) == {"logical_len": 10, "device_len": 8}
+    assert client.call("check") == {"checked": "full", "chains": 2}
+    # The turn closes: the chain moves back to the fork point, the branch is unheld.
+    assert client.call("hold_prefix", owner="a", tokens=list(range(1, 11))) == {"tokens": 8}
+    assert client.call("pools")["evictable"] == 4
+    assert client.call("release", owner="b") == {"released": True}
+    assert client.call("release", owner="b") == {"released": False}
+    assert client.call("pools")["chains"] == {"a": 8}
+    client.call("check")
+
+
+def test_intent_hold_false_and_aborted_requests(served_cache):
+    cache, client, pools, lock = served_cache
+    _finish(cache, pools, lock, "a", list(range(1, 9)))
+    _finish(cache, pools, lock, "a", list(range(1, 13)), aborted=True)  # an aborted request moves nothing
+    assert client.call("pools")["chains"] == {"a": 8}
+    _finish(cache, pools, lock, "a", list(range(1, 13)), intent=ChainIntent(hold=False))
+    assert client.call("pools")["chains"] == {}
+    client.call("check")
+
+
+@pytest.mark.parametrize("name,args,error", [
+    ("nope", {}, BadCommand), ("release", {"owner": ""}, BadCommand), ("release", {"owner": 3}, BadCommand),
+    ("hold_prefix", {"owner": "a", "tokens": [1, -2]}, BadCommand),
+    ("hold_prefix", {"owner": "a", "tokens": "1,2"}, BadCommand),
+    ("probe", {"tokens": [1], "extra_key": 5}, BadCommand),
+    ("snapshot", {"preview_tokens": 10_000}, BadCommand),
+    ("release", {"owner": "a", "expect_tokens": 4}, StaleCommand),
+    ("hold_prefix", {"owner": "a", "tokens": [1, 2, 3, 4], "expect_tokens": 12}, StaleCommand),
+])
+def test_malformed_or_stale_commands_change_nothing(served_cache, name, args, error):
+    cache, client, pools, lock = served_cache
+    _finish(cache, pools, lock, "a", list(range(1, 9)))
+    before = (client.call("pools"), client.call("snapshot"))
+    with pytest.raises(error):
+        client.call(name, **args)
+    after = (client.call("pools"), client.call("snapshot"))
+    strip = lambda snap: [{k: v for k, v in n.items() if k != "last_access_age_s"} for n in snap["nodes"]]  # noqa: E731
+    assert before[0] == after[0] and strip(before[1]) == strip(after[1])
+    client.call("check")
+
+
+def test_integrity_failure_is_reported_not_raised_into_the_scheduler(served_cache):
+    cache, client, pools, lock = served_cache
+    node = _finish(cache, pools, lock, "a", list(range(1, 9)))
+    with lock:
+        node.lock_ref += 1  # a stray lock
+    with pytest.raises(ControlError, match="stray locks"):
+        client.call("check")
+    with lock:
+        node.lock_ref -= 1
+    client.call("check")
+
+
+def test_many_threads_call_the_channel_at_once(served_cache):
+    cache, client, pools, lock = served_cache
+    _finish(cache, pools, lock, "a", list(range(1, 9)))
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(20):
+                assert client.call("pools")["chains"] == {"a": 8}
+                assert client.call("probe", tokens=list(range(1, 6)))["device_len"] == 4
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and cache.control.served >= 16 * 40
+
+
+def test_a_scheduler_that_does_not_answer_is_channel_down():
+    from radix_ext.sglang.control import ChannelDown
+
+    with pytest.raises(ChannelDown, match="no answer"):
+        ControlClient(_free_addr(), timeout_s=0.3).call("ping")
