@@ -1,8 +1,8 @@
 """SGLang benchmark: cache policies per turn (Part A) and step throughput (Part B)
 on SGLang's real server, plain and with our `session` radix-cache backend.
 
-    .venv/bin/python bench/sglang.py [--quick] [--turns 8] [--seed 0] [--duration 12]
-                                     [--concurrency 1,8,32] [--pool-tokens 262144]
+    .venv/bin/python bench/sglang.py [--quick] [--turns 8] [--seed 0] [--duration 16] [--reps 2]
+                                     [--rounds 2] [--concurrency 1,8,32] [--pool-tokens 262144]
 
 Writes bench/results/sglang.json and bench/results/sglang.png. One run, one
 model folder (the `tiny` preset's random weights, exported once as a Hugging
@@ -31,7 +31,13 @@ a prefix of the forced step that follows, so it adds no orphan.
 Part B: C threads, one conversation per agent (a fresh one per step, so every
 prompt is ~200 tokens, all of it prefilled; conversations are deleted after
 each level, untimed), sampled (32 greedy tokens) and forced (32 tokens, no
-target) steps, steps/s and p50/p99 step latency.
+target) steps, steps/s and p50/p99 step latency, for the embedded engine,
+plain SGLang (raw /generate) and the Runtime on our backend; on the session
+server raw /generate runs too, alternated with the Runtime in rounds, so the
+session layer's own cost is measured under the same load.
+
+`--quick` (3 turns, 3 s levels) skips the --strip-thinking-cache server
+(`--strip-server on` runs it). The JSON's `notes` give the methodology.
 """
 
 from __future__ import annotations
@@ -184,34 +190,42 @@ class ClientConversation:
 
 
 class Shadow:
-    """A token-level shadow of plain SGLang's radix tree: what each finished
-    request inserted (its computed tokens, cut to whole pages). The pool is
-    sized so that nothing is evicted, so the shadow is the tree; each request's
-    predicted cached_tokens is checked against the server's."""
+    """A page-level shadow of plain SGLang's radix tree: what each finished
+    request inserted (its computed tokens cut to whole pages). Pages are the
+    tree's unit: two sequences that part mid-page each keep their own copy of
+    that page. The pool is sized so that nothing is evicted, so the shadow is
+    the tree; each request's predicted cached_tokens is checked against the
+    server's."""
 
     def __init__(self, page_size: int):
         self.ps = page_size
         self.root: dict = {}
-        self.size = 0
+        self.pages = 0
+
+    @property
+    def size(self) -> int:
+        """Tokens (KV slots) the tree holds."""
+        return self.pages * self.ps
 
     def insert(self, seq: list[int]) -> None:
-        node = self.root
-        for tok in seq[: len(seq) // self.ps * self.ps]:
-            nxt = node.get(tok)
+        node, ps = self.root, self.ps
+        for i in range(0, len(seq) // ps * ps, ps):
+            page = tuple(seq[i: i + ps])
+            nxt = node.get(page)
             if nxt is None:
-                nxt = node[tok] = {}
-                self.size += 1
+                nxt = node[page] = {}
+                self.pages += 1
             node = nxt
 
     def match(self, seq: list[int]) -> int:
-        """Whole-page common prefix of seq with the tree."""
-        node, n = self.root, 0
-        for tok in seq:
-            node = node.get(tok)
+        """Tokens of seq's longest whole-page prefix that the tree holds."""
+        node, ps, n = self.root, self.ps, 0
+        for i in range(0, len(seq) // ps * ps, ps):
+            node = node.get(tuple(seq[i: i + ps]))
             if node is None:
                 break
-            n += 1
-        return n // self.ps * self.ps
+            n += ps
+        return n
 
 
 # ----- servers ------------------------------------------------------------------------
@@ -519,14 +533,20 @@ class Contention:
         return t.user + t.system + (group_cpu_s(self.server) if self.server else 0.0)
 
     def __enter__(self):
+        t = os.times()
         self.t0, self.busy0, self.ours0 = time.perf_counter(), cpu_busy_s(), self._ours()
+        self.client0 = t.user + t.system
         return self
 
     def __exit__(self, *exc):
         wall = time.perf_counter() - self.t0
-        foreign = max(0.0, (cpu_busy_s() - self.busy0) - (self._ours() - self.ours0))
+        t = os.times()
+        ours = self._ours() - self.ours0
+        client = t.user + t.system - self.client0
+        foreign = max(0.0, (cpu_busy_s() - self.busy0) - ours)
         self.result = {"wall_s": round(wall, 2), "foreign_cpu_s": round(foreign, 2),
                        "foreign_cpu_share": round(foreign / (wall * os.cpu_count()), 3),
+                       "client_cpu_s": round(client, 2), "server_cpu_s": round(ours - client, 2),
                        "loadavg_1m": os.getloadavg()[0]}
         return False
 
@@ -580,6 +600,8 @@ def level_row(concurrency: int, parts: list[dict], contention: list[dict]) -> di
             "mean_ms": round(statistics.fmean(lat), 2),
             "steps_short_of_target": sum(1 for t in toks if t < NEW_TOKENS),
             "generated_tokens_mean": round(statistics.fmean(toks), 2),
+            "cpu_s": {"client": round(sum(c["client_cpu_s"] for c in contention), 2),
+                      "server": round(sum(c["server_cpu_s"] for c in contention), 2)},
             "contention": {"foreign_cpu_s": round(sum(c["foreign_cpu_s"] for c in contention), 2),
                            "foreign_cpu_share_max": max(c["foreign_cpu_share"] for c in contention),
                            "loadavg_1m_end": contention[-1]["loadavg_1m"]}}
@@ -674,6 +696,7 @@ def part_b(drivers: dict[str, object], levels: list[int], duration: float, round
             out[name].append(row)
             print(f"  {name} C={c}: {row['steps_per_s']:.2f} steps/s, p50 {row['p50_ms']:.0f} ms, p99 "
                   f"{row['p99_ms']:.0f} ms ({row['steps']} steps, {row['generated_tokens_per_s']:.0f} gen tok/s, "
+                  f"cpu client {row['cpu_s']['client']:.1f} s server {row['cpu_s']['server']:.1f} s, "
                   f"other jobs {100 * row['contention']['foreign_cpu_share_max']:.0f}% CPU)", flush=True)
     return out
 
@@ -730,58 +753,63 @@ def targets(b: dict) -> dict:
     return out
 
 
+PLOTTED = ("plain", "plain_strip_flag", "session_drop_never", "session_drop_always")  # Part A panels
+STYLE = {"plain": ("-o", 2.5), "plain_strip_flag": (":x", 1.5), "session_drop_never": ("--s", 1.5),
+         "session_drop_always": ("-^", 1.5)}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = result["part_a"]["modes"]
-    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
-    ax = axes[0][0]
-    for label, m in modes.items():
-        t = m["turns"]
-        ax.plot(range(len(t)), [r["first_step_prefill"] + r["tool_chain_prefill"] for r in t], marker="o", label=label)
-    ax.set_xlabel("turn")
-    ax.set_ylabel("prefill tokens in the turn (prompt - cached, forced output excluded)")
-    ax.set_title("(a) prefill tokens per turn")
-    ax.legend(fontsize=8)
-    ax = axes[0][1]
-    for label, m in modes.items():
-        t = m["turns"]
-        ax.plot(range(len(t)), [r["ttft_ms"] for r in t], marker="o", label=label)
-    ax.set_xlabel("turn")
-    ax.set_ylabel("TTFT of the turn's first prompt, ms (1-token greedy probe)")
-    ax.set_yscale("log")
-    ax.set_title("(b) next-turn TTFT")
-    ax.legend(fontsize=8)
-    ax = axes[1][0]
-    for label, m in modes.items():
-        t = m["turns"]
-        ax.plot(range(len(t)), [r["orphaned_bytes"] / 2**20 for r in t], marker="o", label=label)
-    ax.set_xlabel("turn")
-    ax.set_ylabel("orphaned KV after the turn, MiB")
-    ax.set_title("(c) orphaned bytes (plain: shadow tree; ours: `pools` evictable)")
-    ax.legend(fontsize=8)
-    ax = axes[1][1]
-    for name, rows in result["part_b"]["backends"].items():
-        for kind, style in (("sampled", "-o"), ("forced", "--s")):
-            r = rows[kind]
-            ax.plot([x["concurrency"] for x in r], [x["steps_per_s"] for x in r], style, label=f"{name} {kind}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    modes = {k: v for k, v in result["part_a"]["modes"].items() if k in PLOTTED}
+    fig, axes = plt.subplots(2, 3, figsize=(20, 10))
+
+    def per_turn(ax, fn, ylabel: str, title: str, log: bool = False) -> None:
+        for label, m in modes.items():
+            style, width = STYLE[label]
+            t = m["turns"]
+            ax.plot(range(len(t)), [fn(r) for r in t], style, lw=width, label=label)
+        ax.set_xlabel("turn")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        if log:
+            ax.set_yscale("log")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=8)
+
+    per_turn(axes[0][0], lambda r: r["first_step_prefill"] + r["tool_chain_prefill"],
+             "prefill tokens (prompt - cached; forced output excluded)", "(a) prefill tokens per turn")
+    per_turn(axes[0][1], lambda r: r["ttft_ms"], "ms (median of repetitions)",
+             "(b) TTFT of the turn's first prompt (1-token greedy probe)", log=True)
+    per_turn(axes[0][2], lambda r: r["orphaned_bytes"] / 2**20, "MiB after the turn",
+             "(c) orphaned KV (plain: shadow tree; ours: `pools` evictable)")
+    per_turn(axes[1][0], lambda r: r["tool_chain_recomputed"], "tokens",
+             "(d) tool-chain recomputed tokens per turn")
     cs = result["settings"]["part_b"]["concurrency"]
-    ax.set_xticks(cs, [str(c) for c in cs])
-    ax.set_xlabel("concurrent agents")
-    ax.set_ylabel("steps / s")
-    ax.set_title(f"(d) throughput ({NEW_TOKENS}-token greedy sampled / forced steps, ~200-token prompts)")
-    ax.legend(fontsize=8)
+    for ax, key, ylabel, title in ((axes[1][1], "steps_per_s", "steps / s", "(e) throughput"),
+                                   (axes[1][2], "p50_ms", "p50 step latency, ms", "(f) p50 step latency")):
+        for name, rows in result["part_b"]["backends"].items():
+            for kind, style in (("sampled", "-o"), ("forced", "--s")):
+                r = rows.get(kind) or []
+                ax.plot([x["concurrency"] for x in r], [x[key] for x in r], style, label=f"{name} {kind}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrent agents")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}: {NEW_TOKENS} greedy sampled / {NEW_TOKENS} forced tokens, ~200-token prompts",
+                     fontsize=10)
+        ax.legend(fontsize=7)
     m = result["machine"]
-    fig.suptitle(f"SGLang {result['versions']['sglang']} on {m['cpu']} ({m['cores']} cores), model {result['model']['name']}, "
-                 f"page {result['settings']['page_size']}, pool {result['settings']['pool_tokens']} tokens"
-                 + (" [--quick]" if result["settings"]["quick"] else ""), fontsize=10)
+    fig.suptitle(f"SGLang {result['versions']['sglang']} on {m['cpu']} ({m['cores']} cores, no GPU), model "
+                 f"{result['model']['name']} (random weights), page {result['settings']['page_size']}, pool "
+                 f"{result['settings']['pool_tokens']} tokens" + (" [--quick]" if result["settings"]["quick"] else ""),
+                 fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -800,13 +828,16 @@ def main() -> None:
     ap.add_argument("--max-running", type=int, default=32, help="--max-running-requests of every server")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--duration", type=float, default=None, help="seconds per Part B level and driver (default 16, quick 3)")
+    ap.add_argument("--strip-server", choices=["on", "off"], default=None,
+                    help="run the --strip-thinking-cache server (Part A mode plain_strip_flag; default on, quick off: "
+                         "a server start costs 2-3 minutes here and under forced replay the flag cannot act)")
     ap.add_argument("--reps", type=int, default=None, help="Part A replays per mode (TTFT medians; default 2, quick 1)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="Part B alternations of runtime and raw /generate on the session server (default 2, quick 1)")
     ap.add_argument("--b-system-words", type=int, default=160)
     ap.add_argument("--b-user-words", type=int, default=30)
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "session-runtime" / "models"))
-    ap.add_argument("--skip", default="", help="comma-separated: plain, plain_strip, session, embedded (debugging)")
+    ap.add_argument("--skip", default="", help="comma-separated: plain, plain_strip, session, embedded, part_a, part_b (debugging)")
     args = ap.parse_args()
     os.chdir(_HERE.parent)  # the servers run `python -m sglang...` from the cwd: never from bench/
     args.turns = args.turns or (3 if args.quick else 8)
@@ -814,6 +845,7 @@ def main() -> None:
     args.duration = args.duration or (3.0 if args.quick else 16.0)
     args.reps = args.reps or (1 if args.quick else 2)
     args.rounds = args.rounds or (1 if args.quick else 2)
+    args.strip_server = args.strip_server or ("off" if args.quick else "on")
     calls = (1, 2) if args.quick else (2, 4)
     system_words = 300 if args.quick else 1000
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -862,12 +894,13 @@ def main() -> None:
             info = httpx.get(f"{server.url}/server_info", timeout=30).json()
             servers["plain"]["radix_cache_backend"] = info.get("radix_cache_backend")
             warm_plain(server.url, tpl, args, 2)
-            print("[plain] Part A", flush=True)
-            part_a_plain("plain", "plain", server.url, server.process.pid)
-            flush(server.url)
-            warm_plain(server.url, tpl, args, 2)
+            if "part_a" not in skip:
+                print("[plain] Part A", flush=True)
+                part_a_plain("plain", "plain", server.url, server.process.pid)
+                flush(server.url)
+                warm_plain(server.url, tpl, args, 2)
             print("[plain] Part B", flush=True)
-            for kind in ("sampled", "forced"):
+            for kind in ("sampled", "forced") if "part_b" not in skip else ():
                 rows = part_b({"sglang_plain": RawAgents(server.url, tpl, args, kind, "plain")}, levels,
                               args.duration, args.rounds, server.process.pid)
                 backends.setdefault("sglang_plain", {})[kind] = rows["sglang_plain"]
@@ -875,7 +908,7 @@ def main() -> None:
             server.stop()
 
     # 2. plain SGLang with --strip-thinking-cache: Part A `plain_strip_flag`
-    if "plain_strip" not in skip:
+    if "plain_strip" not in skip and "part_a" not in skip and args.strip_server == "on":
         t0 = time.perf_counter()
         server = launch(spec_for(args, folder, extra=("--strip-thinking-cache",), log=str(log_dir / "strip.log")),
                         ready)
@@ -903,20 +936,20 @@ def main() -> None:
             labels = [label for label, (where, _) in MODES.items() if where == "session"]
             reps: dict[str, list] = {label: [] for label in labels}
             cont: dict[str, list] = {label: [] for label in labels}
-            for k in range(args.reps):  # round robin over the modes, so load from other jobs hits them alike
+            for k in range(args.reps if "part_a" not in skip else 0):  # round robin over the modes, so load from other jobs hits them alike
                 for label in labels[k % len(labels):] + labels[: k % len(labels)]:
                     flush(server.url)
                     print(f"[session] Part A {label}#{k}", flush=True)
                     with Contention(server.process.pid) as meter:
                         reps[label].append(play_runtime(f"{label}#{k}", rt, trace, MODES[label][1], tpl, ps, bpt))
                     cont[label].append(meter.result)
-            for label in labels:
+            for label in labels if "part_a" not in skip else ():
                 modes[label] = summarize_mode(reps[label])
                 modes[label]["contention"] = cont[label]
             flush(server.url)
             warm_runtime(rt, args, 2)
             print("[session] Part B", flush=True)
-            for kind in ("sampled", "forced"):
+            for kind in ("sampled", "forced") if "part_b" not in skip else ():
                 rows = part_b({"sglang_session_runtime": RuntimeAgents(rt, args, kind, "session"),
                                "sglang_session_raw": RawAgents(server.url, tpl, args, kind, "raw")},
                               levels, args.duration, args.rounds, server.process.pid)
@@ -927,7 +960,7 @@ def main() -> None:
             rt.close()
 
     # 4. the embedded engine in this process: Part B (i)
-    if "embedded" not in skip:
+    if "embedded" not in skip and "part_b" not in skip:
         t0 = time.perf_counter()
         rt = Runtime(RuntimeConfig(model=str(folder), backend="embedded", page_size=ps, pool_tokens=args.pool_tokens,
                                    host_pool_tokens=0, max_context=args.max_context, template="deepseek",
@@ -960,6 +993,7 @@ def main() -> None:
                   "kv_bytes_per_token": bpt, "tokenizer": tokenizer.name, "template": "deepseek"},
         "settings": {"quick": args.quick, "page_size": ps, "pool_tokens": args.pool_tokens,
                      "max_context": args.max_context, "max_running_requests": args.max_running, "seed": args.seed,
+                     "strip_server": args.strip_server, "skip": sorted(skip),
                      "part_a": {"turns": args.turns, "scale": args.scale, "repetitions": args.reps, "tool_calls_per_turn": list(calls),
                                 "system_words": system_words, "reasoning_over_answer": [5, 20],
                                 "answer_tokens_range": [round(20 * args.scale), round(50 * args.scale)]},
@@ -1002,59 +1036,82 @@ def main() -> None:
 
 
 NOTES = {
-    "prompts": "Every Part A mode renders identical prompts (checked: the Runtime's prompt lengths and recomputed "
-               "history equal the client-side rendering; the Runtime's own render of each first prompt equals it "
-               "token for token). Closed turns drop their reasoning (deepseek template: `</think>` then the answer).",
+    "prompts": "Every Part A mode renders identical prompts: a client-side copy of the runtime's rendering "
+               "(ClientConversation: Runtime._step/_commit/_close_turn under policy drop; the deepseek template "
+               "writes `</think>` and only the answer for closed turns, the open turn's tool chain replays its "
+               "generated ids). For our backend it is checked against the Runtime: its own render of each first "
+               "prompt equals it token for token, and every step's prompt length and recomputed history agree "
+               "(`checks.prompts_equal`).",
     "forced_output": "Forced output (replay) is the template's ids for {reasoning, content, tool_calls}; plain SGLang "
-                     "gets prompt + forced ids as input_ids with max_new_tokens=0, as the runtime's SGLang backend "
-                     "sends it. Forced tokens are always computed and are excluded from `prefill tokens` "
-                     "(prompt tokens minus cached tokens, the prompt excluding the forced output); they are the "
-                     "same for every mode (`forced_tokens`).",
+                     "gets prompt + forced ids as input_ids with max_new_tokens=0, exactly as the runtime's SGLang "
+                     "backend sends a forced step. Forced tokens are always computed; they are excluded from "
+                     "`prefill tokens` (prompt tokens minus cached_tokens, the prompt being everything before the "
+                     "forced output) and are the same in every mode (`forced_tokens`).",
     "ttft": "Next-turn TTFT = time to the first streamed token of a greedy 1-token sampled request on the turn's "
-            "first prompt, sent just before the forced first step (not the forced-step latency, which is also "
-            "recorded as `forced_first_step_ms`). Plain: measured by the raw client; ours: the backend's "
-            "ttft_ms, which also counts the control-channel probe it makes before /generate. The probe computes "
-            "only the prompt (its one token is never fed), so the tree gains the prompt's full pages, a prefix "
-            "of the forced step that follows: no orphan. Its cached_tokens are the first step's cached tokens; "
-            "the forced step after it re-prefills the prompt's last partial page (< page size, identical in every "
-            "mode). The Runtime's own accounting of first steps (cache_state, counterfactual) therefore sees the "
-            "probe's pages; the bench does not use it.",
-    "tool_chain_recomputed": "Per tool step: max(0, tokens before the new tool results - cached tokens), i.e. the "
-                             "runtime's recomputed_history_tokens; the client computes the same for plain SGLang.",
+            "first prompt, sent just before the forced first step (the forced-step latency is recorded too, as "
+            "`forced_first_step_ms`). Plain: measured by the raw client; ours: the SGLang backend's ttft_ms, which "
+            "also counts the control-channel probe it makes before /generate. The probe computes only the prompt "
+            "(its one token is never fed), so the tree gains the prompt's full pages, a prefix of the forced step "
+            "that follows: no orphan. Its cached_tokens are the first step's cached tokens (`first_cached_tokens`). "
+            "The Runtime's own accounting of first steps (cache_state, counterfactual) sees the probe's pages, so "
+            "`cache_state_reported` says generated_branch where the runtime alone would say prefix_only; the bench "
+            "uses none of it. Per-turn TTFTs are medians over `repetitions` replays (round robin over the session "
+            "modes; the tree is flushed before each replay).",
+    "tool_chain_recomputed": "Per tool step: max(0, tokens before the new tool results - cached tokens): the "
+                             "runtime's recomputed_history_tokens; the client computes the same for plain SGLang. "
+                             "What is left is the previous step's last partial page (< page size): SGLang caches "
+                             "whole pages only.",
     "orphaned": "KV the tree still caches that no chain holds and no future prompt of this conversation can reuse, "
-                "measured after each turn (after the canonical branch is built for drop+always). Plain SGLang "
-                "(both servers): from a token-level shadow of what each request inserted (its computed tokens cut "
-                "to whole pages), minus the page-aligned match of the next canonical history; the pool is large "
-                "enough that nothing is evicted, and every request's predicted cached_tokens is checked against "
-                "the server's (`shadow_mismatches`). Ours under drop: the control channel's `pools` evictable "
-                "tokens (one conversation on the server at a time; the tree is flushed between modes), "
-                "cross-checked against tree tokens minus a probe of the next canonical prompt "
-                "(`checks.evictable_equals_stale`). session_strip_emulated holds no chain, so its orphaned figure "
-                "is tree minus reusable.",
+                "measured after each turn (after the canonical branch is built, for drop+always). Plain SGLang "
+                "(both servers): a token-level shadow of what each request inserted (its computed tokens cut to "
+                "whole pages), minus the page-aligned match of the next canonical history; the pool is far larger "
+                "than the workload, so nothing is evicted, and each request's predicted cached_tokens is checked "
+                "against the server's (`shadow_mismatches` lists any difference). Ours under drop: the control "
+                "channel's `pools` evictable tokens (one conversation on the server at a time; the tree is flushed "
+                "between replays), cross-checked against tree tokens minus a probe of the next canonical prompt "
+                "(`checks.evictable_equals_stale`). session_strip_emulated holds no chain: its figure is tree minus "
+                "reusable. Bytes = tokens x kv_bytes_per_token.",
     "strip_flag": "SGLang 0.5.23's --strip-thinking-cache frees a finished request's output only when the request "
-                  "counted reasoning tokens (Req.owned_kv_len: `strip_thinking_cache and reasoning_tokens > 0`); "
-                  "reasoning tokens are counted on *generated* tokens against think-end ids that need "
-                  "--reasoning-parser and a tokenizer in the scheduler (absent under --skip-tokenizer-init). Under "
-                  "forced replay the output is input, so the flag cannot act: plain_strip_flag is expected to equal "
-                  "plain. session_strip_emulated is what the flag's semantics would give (each request caches only "
-                  "its prompt; nothing held): our backend's per-request emulation (policy strip_thinking_cache).",
+                  "counted reasoning tokens (Req.owned_kv_len: `strip_thinking_cache and reasoning_tokens > 0`). "
+                  "Reasoning tokens are counted on *generated* tokens against think-end ids, which need "
+                  "--reasoning-parser and a tokenizer in the scheduler (none under --skip-tokenizer-init). Under "
+                  "forced replay the output is input, so the flag cannot act, and plain_strip_flag equals plain "
+                  "token for token. It would need the forced tokens to be decoded one by one (a custom logit "
+                  "processor) with a reasoning parser and the scheduler's tokenizer: not done here.",
+    "strip_emulated": "Supplementary mode (not plotted): the runtime's own emulation of the flag (policy "
+                      "strip_thinking_cache: kv_hints cache_output=false, no chain). On the SGLang backend it does "
+                      "not strip forced output either: the backend sends forced ids as input_ids, and the session "
+                      "cache's checkpoint cuts at len(origin_input_ids), which includes them; so its tool steps "
+                      "recompute only the partial page, unlike the embedded engine (bench/policies.py: 17,848 "
+                      "tokens). Reported as a bug of the SGLang backend, outside bench/.",
     "memory_pressure": "Part A runs without memory pressure (pool >> workload): plain SGLang then keeps everything "
-                       "and its reuse equals drop+never's; the difference is that nothing of plain SGLang's is "
-                       "locked (LRU may evict the live prefix under load) and how much orphaned KV each mode leaves.",
-    "part_b": "Each step opens a fresh conversation (system ~160 one-token words + a ~30-word user message: ~200 "
-              "prompt tokens, all prefilled) and runs its first turn: sampled = up to 32 greedy new tokens "
-              "(stop: the template's eos, as the runtime sends; generated tokens/s and the count of steps short of "
-              "32 are reported), forced = 32 forced tokens (22 reasoning + </think> + 8 content + eos; no target). "
-              "Conversations are deleted after each level, outside the timed window. C threads, each one agent; "
-              "a step's latency is one send_message (Runtime) or one streamed /generate (plain, the same body the "
-              "backend sends minus session_id/kv_hints). Steps in flight at the deadline finish and count; "
-              "steps/s = steps / (last finish - start). The embedded engine runs one step at a time, so its "
-              "latency at C > 1 is queueing. Our layer per step adds: template rendering, 3 control-channel "
-              "probes (2 counterfactual + 1 logical), hold_prefix at the fork and a `pools` read at the turn's "
-              "close, each answered by the scheduler between batches.",
-    "cpu": "2 shared CPU cores, no GPU: servers, client and embedded engine share them (servers run one at a time; "
-           "the embedded engine runs after every server stopped). SGLang runs its torch-native attention on our "
-           "out-of-tree CPU platform. Absolute numbers are CPU numbers; ratios are the point.",
+                       "and its reuse equals drop+never's. What differs: nothing of plain SGLang's is locked (LRU "
+                       "may evict the live prefix under load while the orphaned branches stay), drop+always moves "
+                       "the answer's prefill to idle time, and the orphaned KV each mode leaves.",
+    "part_b": "Each step opens a fresh conversation (system ~160 one-token words + a ~30-word user message: ~210 "
+              "prompt tokens, all prefilled) and runs its first turn: sampled = up to 32 greedy new tokens (stop: "
+              "the template's eos, as the runtime sends; the raw client sends the same stop ids; generated tokens/s "
+              "and the number of steps short of 32 are reported), forced = 32 forced tokens (22 reasoning + "
+              "</think> + 8 content + eos). Conversations (policy drop, materialize never) are deleted after each "
+              "run, outside the timed window. C threads, one agent each; a step's latency is one send_message "
+              "(Runtime) or one streamed /generate (raw: the body the backend sends minus session_id, kv_hints "
+              "and namespace keys). Steps in flight at the deadline finish and count; steps/s = steps / (last "
+              "finish - start). On the session server the Runtime and raw /generate alternate in `rounds` per "
+              "level (sglang_session_raw: the session layer's cost alone, under the same load); plain SGLang's "
+              "server runs on its own, minutes apart. The embedded engine runs one step at a time, so its latency "
+              "at C > 1 is queueing. Our layer per step adds template rendering and control-channel calls (3 "
+              "probes: 2 counterfactual + 1 logical; hold_prefix at the fork and a `pools` read at the turn's "
+              "close), each answered by the scheduler between batches.",
+    "contention": "This 2-core machine is shared: other jobs (e.g. test suites that start their own SGLang servers) "
+                  "may run meanwhile. Every measurement records `contention`: CPU seconds the machine was busy "
+                  "minus this process's and the measured server's process group's, over wall x cores "
+                  "(foreign_cpu_share), and the 1-minute load average. Treat rows with a high share as noisy.",
+    "cpu": "No GPU: servers, client and embedded engine share the CPU cores (servers run one at a time; the "
+           "embedded engine runs after every server stopped). SGLang runs torch-native attention on our "
+           "out-of-tree CPU platform; a server start costs 2-3 minutes here (~200 CPU-seconds). Absolute numbers "
+           "are CPU numbers; ratios are the point.",
+    "quick": "--quick: 3 turns at half scale, 1-2 tool calls per turn, 1 replay per mode, 3 s per Part B level and "
+             "driver, 1 round, and no --strip-thinking-cache server (--strip-server on to run it).",
 }
 
 

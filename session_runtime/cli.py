@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 import warnings
@@ -103,13 +104,17 @@ def serve(args: argparse.Namespace) -> int:
     except InvalidRequest as exc:
         print(f"session-runtime: {exc}", file=sys.stderr)
         return 2
-    app = create_app(runtime)
-    print(f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
-          f"http://{args.host}:{args.port} ({runtime.backend.describe()})", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again
+    # with the handler it found: make that an exception, so the `finally`
+    # below closes the runtime and stops a launched SGLang server's process group.
+    signal.signal(signal.SIGTERM, lambda sig, _frame: sys.exit(128 + sig))
     try:
+        app = create_app(runtime)
+        print(f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
+              f"http://{args.host}:{args.port} ({runtime.backend.describe()})", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
-        runtime.close()  # stops a launched SGLang server's whole process group
+        runtime.close()
     return 0
 
 

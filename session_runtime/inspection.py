@@ -8,13 +8,17 @@ from __future__ import annotations
 from typing import Optional
 
 from radix_ext.tree import NodeInfo
+from session_runtime.errors import BackendUnavailable
 
 
 class RuntimeInspection:
     def describe(self, conversation_id: str, tokens: bool = False) -> dict:
         """Trace, canonical history, per-turn accounting and the chain."""
         conv = self.get(conversation_id)
-        chain_len = self.backend.chain_tokens(conv.id)
+        try:
+            chain_len = self.backend.chain_tokens(conv.id)
+        except BackendUnavailable:  # the layers are ours; only the physical state is unknown
+            chain_len = None
         out = {
             "id": conv.id, "system": conv.system, "tenant": conv.tenant, "template": conv.template,
             "policy": conv.policy.name, "keep_last_k": conv.policy.keep_last_k,
@@ -28,7 +32,7 @@ class RuntimeInspection:
             "chain": {
                 "sequence_tokens": len(conv.chain_tokens), "cached_tokens": chain_len,
                 "kind": conv.canonical_kind,
-                "kv_device_bytes": chain_len * self.backend.bytes_per_token,
+                "kv_device_bytes": None if chain_len is None else chain_len * self.backend.bytes_per_token,
                 "kv_host_bytes": self.backend.host_bytes(conv.id),
             },
             "offload": conv.offload.mode,
@@ -50,8 +54,13 @@ class RuntimeInspection:
 
     def gauges(self) -> dict[str, float]:
         """Pool usage for /metrics."""
+        try:
+            pools = self.backend.gauges()
+        except BackendUnavailable:
+            pools = {}
         return {
-            **self.backend.gauges(),
+            **pools,
+            "backend_up": float(bool(pools)),
             "conversations": len(self.conversations),
             "materialized_total": self.materializer.stats["done"],
             "materialize_cancelled_total": self.materializer.stats["cancelled"],

@@ -466,6 +466,11 @@ class Runtime(RuntimeInspection):
                 assert cid in self.conversations, f"chain {cid} has no conversation"
 
     def close(self) -> None:
+        """Stop the background workers and the backend (a launched SGLang server
+        with it) and close the store. Idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self.materializer.close()
         self.offload.close()
         self.backend.close()
