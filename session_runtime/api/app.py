@@ -53,8 +53,11 @@ def create_app(runtime: Runtime) -> FastAPI:
         return _error(500, "internal", f"{type(exc).__name__}: {exc}")
 
     @app.get("/health")
-    def health() -> dict:
-        return {"status": "ok", "model": runtime.model_id, "device": runtime.config.device}
+    def health():
+        up = runtime.backend.available()
+        body = {"status": "ok" if up else "backend_unavailable", "model": runtime.model_id,
+                "device": runtime.config.device, "backend": runtime.backend.name}
+        return body if up else JSONResponse(body, status_code=503)
 
     @app.post("/v1/conversations", status_code=201)
     def create(body: CreateConversation) -> dict:

@@ -106,6 +106,11 @@ class Backend(ABC):
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up (AssertionError otherwise)."""
 
+    def available(self) -> bool:
+        """Can it take a step now, as far as this process knows without asking
+        (O(1): /health calls it)."""
+        return True
+
     def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
         """Bring an offloaded tail back before the owner's next step (host tier)."""
 

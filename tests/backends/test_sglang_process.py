@@ -112,6 +112,8 @@ def test_sglang_dies_and_comes_back(served):
     assert during["chain"]["cached_tokens"] is None
     assert {k: v for k, v in during.items() if k != "chain"} == {k: v for k, v in before.items() if k != "chain"}
     assert "session_backend_up 0\n" in client.get("/metrics").text
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "backend_unavailable"
 
     def step():
         r = client.post(f"/v1/conversations/{cid}/messages", json={"content": "And 3+3?", "forced": FORCED})

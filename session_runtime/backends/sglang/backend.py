@@ -188,6 +188,9 @@ class SGLangBackend(Backend):
 
     # ----- a launched server that dies is started again ------------------------
 
+    def available(self) -> bool:
+        return self.server is None or (self.server.alive() and self._restarting is None)
+
     def _check_server(self) -> None:
         """Raise BackendUnavailable while a launched server is down, and start it
         again (once, in the background) when it has exited. Its tree starts

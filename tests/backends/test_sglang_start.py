@@ -1,0 +1,77 @@
+"""A start of the SGLang backend that cannot succeed names its cause, and
+leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import psutil
+import pytest
+
+from session_runtime.cli import _split_args
+from session_runtime.config import RuntimeConfig
+from session_runtime.errors import InvalidRequest
+from session_runtime.runtime import Runtime
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sglang_servers() -> set[int]:
+    out = set()
+    for p in psutil.process_iter(["cmdline"]):
+        if "sglang.launch_server" in " ".join(p.info["cmdline"] or ()):
+            out.add(p.pid)
+    return out
+
+
+def test_sglang_args_split():
+    assert _split_args(["--chunked-prefill-size=2048", "--log-level warning"]) == [
+        "--chunked-prefill-size", "2048", "--log-level", "warning"]
+
+
+def test_a_server_that_exits_during_start_up_is_named_with_its_log(tiny_hf_folder):
+    before = _sglang_servers()
+    with pytest.raises(InvalidRequest) as err:
+        Runtime(RuntimeConfig(model=str(tiny_hf_folder), backend="sglang", template="deepseek", data_dir=None,
+                              pool_tokens=2048, sglang_args=("--no-such-flag",)), background=False)
+    message = str(err.value)
+    assert "SGLang's server exited with code" in message and "--no-such-flag" in message
+    assert _sglang_servers() <= before
+
+
+def test_nothing_listening_at_sglang_url():
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(InvalidRequest, match=f"no SGLang server answers at {url}/health"):
+        Runtime(RuntimeConfig(backend="sglang", sglang_url=url, data_dir=None), background=False)
+
+
+class _NotOurs(BaseHTTPRequestHandler):
+    """Answers like an SGLang server with its default radix cache."""
+
+    def do_GET(self):
+        body = {"/health": {}, "/server_info": {"radix_cache_backend": None, "page_size": 1}}.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(json.dumps(body or {}).encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_without_the_session_backend_is_refused():
+    server = HTTPServer(("127.0.0.1", 0), _NotOurs)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        with pytest.raises(InvalidRequest, match="radix-cache backend None; the runtime needs 'session'"):
+            Runtime(RuntimeConfig(backend="sglang", sglang_url=url, data_dir=None), background=False)
+    finally:
+        server.shutdown()
