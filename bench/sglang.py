@@ -36,7 +36,7 @@ plain SGLang (raw /generate) and the Runtime on our backend; on the session
 server raw /generate runs too, alternated with the Runtime in rounds, so the
 session layer's own cost is measured under the same load.
 
-`--quick` (3 turns, 3 s levels) skips the --strip-thinking-cache server
+`--quick` (3 turns, 2 s levels) skips the --strip-thinking-cache server
 (`--strip-server on` runs it). The JSON's `notes` give the methodology.
 """
 
@@ -827,7 +827,7 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=32768)
     ap.add_argument("--max-running", type=int, default=32, help="--max-running-requests of every server")
     ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--duration", type=float, default=None, help="seconds per Part B level and driver (default 16, quick 3)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds per Part B level and driver (default 14, quick 2)")
     ap.add_argument("--strip-server", choices=["on", "off"], default=None,
                     help="run the --strip-thinking-cache server (Part A mode plain_strip_flag; default on, quick off: "
                          "a server start costs 2-3 minutes here and under forced replay the flag cannot act)")
@@ -836,13 +836,16 @@ def main() -> None:
                     help="Part B alternations of runtime and raw /generate on the session server (default 2, quick 1)")
     ap.add_argument("--b-system-words", type=int, default=160)
     ap.add_argument("--b-user-words", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch/OpenMP threads of every server (OMP_NUM_THREADS) and of the embedded engine; 1 is "
+                         "steadiest on a shared 2-core host (0: leave the defaults)")
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "session-runtime" / "models"))
     ap.add_argument("--skip", default="", help="comma-separated: plain, plain_strip, session, embedded, part_a, part_b (debugging)")
     args = ap.parse_args()
     os.chdir(_HERE.parent)  # the servers run `python -m sglang...` from the cwd: never from bench/
     args.turns = args.turns or (3 if args.quick else 8)
     args.scale = args.scale or (0.5 if args.quick else 1.0)
-    args.duration = args.duration or (3.0 if args.quick else 16.0)
+    args.duration = args.duration or (2.0 if args.quick else 14.0)
     args.reps = args.reps or (1 if args.quick else 2)
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.strip_server = args.strip_server or ("off" if args.quick else "on")
@@ -857,6 +860,9 @@ def main() -> None:
     from session_runtime.model.export import export_preset
 
     t_start, load0 = time.perf_counter(), os.getloadavg()
+    if args.threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every server the bench launches
+        torch.set_num_threads(args.threads)  # the embedded engine runs in this process
     tokenizer = load_tokenizer("tiny")
     tpl = build_template("deepseek", tokenizer)
     folder = export_preset("tiny", args.seed, Path(args.model_dir), min_vocab=tokenizer.vocab_size)
@@ -994,6 +1000,8 @@ def main() -> None:
         "settings": {"quick": args.quick, "page_size": ps, "pool_tokens": args.pool_tokens,
                      "max_context": args.max_context, "max_running_requests": args.max_running, "seed": args.seed,
                      "strip_server": args.strip_server, "skip": sorted(skip),
+                     "threads": {"servers_OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                                 "embedded_torch_threads": torch.get_num_threads()},
                      "part_a": {"turns": args.turns, "scale": args.scale, "repetitions": args.reps, "tool_calls_per_turn": list(calls),
                                 "system_words": system_words, "reasoning_over_answer": [5, 20],
                                 "answer_tokens_range": [round(20 * args.scale), round(50 * args.scale)]},
@@ -1107,10 +1115,13 @@ NOTES = {
                   "minus this process's and the measured server's process group's, over wall x cores "
                   "(foreign_cpu_share), and the 1-minute load average. Treat rows with a high share as noisy.",
     "cpu": "No GPU: servers, client and embedded engine share the CPU cores (servers run one at a time; the "
-           "embedded engine runs after every server stopped). SGLang runs torch-native attention on our "
+           "embedded engine runs after every server stopped). Every server runs with OMP_NUM_THREADS=--threads "
+           "(default 1) and the embedded engine with as many torch threads: with 2 threads on 2 cores shared with "
+           "other jobs, a server spent about twice the CPU per step (OpenMP threads waiting for each other). "
+           "SGLang runs torch-native attention on our "
            "out-of-tree CPU platform; a server start costs 2-3 minutes here (~200 CPU-seconds). Absolute numbers "
            "are CPU numbers; ratios are the point.",
-    "quick": "--quick: 3 turns at half scale, 1-2 tool calls per turn, 1 replay per mode, 3 s per Part B level and "
+    "quick": "--quick: 3 turns at half scale, 1-2 tool calls per turn, 1 replay per mode, 2 s per Part B level and "
              "driver, 1 round, and no --strip-thinking-cache server (--strip-server on to run it).",
 }
 

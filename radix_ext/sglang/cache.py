@@ -42,11 +42,12 @@ class SchedulerSessionCache(SessionRadixCache):
     # ----- per-request hooks (called by SGLang's scheduler) -------------------
 
     def checkpoint(self, req, *, up_to: int, **kwargs):
-        # A finished request of a prompt-only conversation (SGLang's
-        # --strip-thinking-cache, per request) inserts only its prompt; the
-        # output's slots past the tree-owned part are freed by release_kv_cache.
-        if req.finished() and not intent_of(getattr(req, "kv_hints", None)).cache_output:
-            up_to = min(up_to, len(req.origin_input_ids))
+        # A prompt-only step (SGLang's --strip-thinking-cache, per request)
+        # inserts only its prompt; the slots past the tree-owned part are freed
+        # by release_kv_cache.
+        limit = intent_of(getattr(req, "kv_hints", None)).cache_limit
+        if limit is not None:
+            up_to = min(up_to, limit)
         return super().checkpoint(req, up_to=up_to, **kwargs)
 
     def on_release(self, req, *, checkpointed: bool) -> None:

@@ -21,14 +21,16 @@ PROTOCOL_VERSION = "1"
 
 @dataclass(frozen=True)
 class ChainIntent:
-    """What the tree does with a finished request of a conversation.
+    """What the tree does with a request of a conversation.
 
     `hold`: lock the finished sequence as the owner's chain (False: lock
-    nothing, as plain SGLang). `cache_output`: insert the output too (False:
-    only the prompt, as SGLang's --strip-thinking-cache)."""
+    nothing, as plain SGLang). `cache_limit`: insert at most this many leading
+    tokens (the step's prompt, as SGLang's --strip-thinking-cache; forced
+    output is part of SGLang's input, so the tree cannot tell it apart by
+    itself); None inserts everything computed."""
 
     hold: bool = True
-    cache_output: bool = True
+    cache_limit: Optional[int] = None
 
     def envelope(self, message_id: str) -> dict:
         """The JSON `kv_hints` value for a /generate request."""
@@ -39,7 +41,7 @@ class ChainIntent:
                 "action_id": "chain",
                 "action_type": ACTION_TYPE,
                 "action_version": ACTION_VERSION,
-                "payload": {"hold": self.hold, "cache_output": self.cache_output},
+                "payload": {"hold": self.hold, "cache_limit": self.cache_limit},
             }],
         }
 
@@ -61,9 +63,9 @@ def intent_of(kv_hints: Any) -> ChainIntent:
 
 
 def _parse(version: str, payload: Any) -> Optional[ChainIntent]:
-    if version != ACTION_VERSION or not isinstance(payload, dict) or set(payload) - {"hold", "cache_output"}:
+    if version != ACTION_VERSION or not isinstance(payload, dict) or set(payload) - {"hold", "cache_limit"}:
         return None
-    hold, cache_output = payload.get("hold", True), payload.get("cache_output", True)
-    if not isinstance(hold, bool) or not isinstance(cache_output, bool):
+    hold, limit = payload.get("hold", True), payload.get("cache_limit")
+    if not isinstance(hold, bool) or not (limit is None or type(limit) is int and limit >= 0):
         return None
-    return ChainIntent(hold=hold, cache_output=cache_output)
+    return ChainIntent(hold=hold, cache_limit=limit)

@@ -201,3 +201,31 @@ def test_concurrent_conversations(client, backend_live):
     assert errors == [] and len(done) == 8
     chains = client.get("/debug/tree").json()["chains"]
     assert all(chains[cid] > 0 for cid in done)
+
+
+def test_baselines_cache_as_sglang_does(client, backend_live):
+    """engine_default holds no chain (the tree keeps the branch until LRU);
+    strip_thinking_cache caches only each step's prompt, so the tool step
+    recomputes the whole previous output."""
+    cid, (a1, a2, _), conv = tool_chain(client, backend_live.runtime, _system(), policy="strip_thinking_cache")
+    assert a2["cached_input_tokens"] == a1["prompt_tokens"] // PAGE * PAGE
+    assert a2["recomputed_history_tokens"] == a1["active_context_length"] - a1["prompt_tokens"] // PAGE * PAGE
+    assert client.get("/debug/tree").json()["chains"][cid] == 0
+    cid, (a1, a2, _), conv = tool_chain(client, backend_live.runtime, _system(), policy="engine_default")
+    assert a2["cached_input_tokens"] == a1["active_context_length"] // PAGE * PAGE
+    assert client.get("/debug/tree").json()["chains"][cid] == 0
+
+
+def test_canonical_branch_in_idle_time(client, backend_live):
+    rt = backend_live.runtime
+    cid = create(client, system=_system(), policy="drop", materialize="always")
+    step_ok(msg(client, cid, content="What is 2+2?", forced={"reasoning": THINK, "content": "2 + 2 = 4."}))
+    assert rt.materializer.run_pending() == 1  # the test's idle time
+    conv = client.get(f"/v1/conversations/{cid}").json()
+    canonical = conv["turns"][0]["steps"][-1]["active_context_length"]
+    assert conv["chain"]["cached_tokens"] == canonical // PAGE * PAGE
+    assert conv["turns"][0]["materialized_prefill_tokens"] == canonical - conv["turns"][0]["fork_tokens"] // PAGE * PAGE
+    a = step_ok(msg(client, cid, content="And 3+3?", forced={"content": "6."}))["accounting"]
+    assert a["cache_state"] == "canonical_branch"
+    assert a["cached_input_tokens"] == canonical // PAGE * PAGE
+    assert a["recomputed_history_tokens"] == canonical % PAGE

@@ -63,7 +63,7 @@ def _envelope(payload, version="1", action_type=ACTION_TYPE):
 def test_intent_round_trips_through_sglangs_envelope():
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 
-    for intent in (ChainIntent(), ChainIntent(hold=False), ChainIntent(cache_output=False)):
+    for intent in (ChainIntent(), ChainIntent(hold=False), ChainIntent(cache_limit=40)):
         assert intent_of(decode_kv_hints_envelope(intent.envelope("m1"))) == intent
     assert intent_of(None) == ChainIntent()
 
@@ -71,6 +71,8 @@ def test_intent_round_trips_through_sglangs_envelope():
 @pytest.mark.parametrize("payload,version,action_type", [
     ({"hold": "yes"}, "1", ACTION_TYPE),       # wrong type
     ({"hold": False, "extra": 1}, "1", ACTION_TYPE),  # unknown field
+    ({"cache_limit": -1}, "1", ACTION_TYPE),   # negative limit
+    ({"cache_limit": True}, "1", ACTION_TYPE),  # a bool is not a count
     ({"hold": False}, "2", ACTION_TYPE),       # unknown version
     ({"hold": False}, "1", "someone.else"),    # not ours: ignored
 ])

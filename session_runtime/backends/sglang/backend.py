@@ -146,7 +146,8 @@ class SGLangBackend(Backend):
         body: dict = {
             "input_ids": prompt if forced is None else prompt + forced,
             "sampling_params": params, "stream": True, "session_id": req.owner,
-            "kv_hints": ChainIntent(hold=req.hold_chain, cache_output=req.cache_output).envelope(uuid.uuid4().hex),
+            "kv_hints": ChainIntent(hold=req.hold_chain, cache_limit=None if req.cache_output else len(prompt)
+                                    ).envelope(uuid.uuid4().hex),
             "priority": BACKGROUND_PRIORITY if req.background else USER_PRIORITY,
         }
         if req.namespace.extra_key is not None:
