@@ -36,11 +36,15 @@ plain SGLang (raw /generate) and the Runtime on our backend; on the session
 server raw /generate runs too, alternated with the Runtime in rounds, so the
 session layer's own cost is measured under the same load.
 
-`--quick` (3 turns, 2 s levels) skips the --strip-thinking-cache server
+`--quick` (3 turns, 2 s levels, 1 and 8 agents) skips the --strip-thinking-cache server
 (`--strip-server on` runs it). The JSON's `notes` give the methodology.
 """
 
 from __future__ import annotations
+
+import time as _time
+
+_T0 = _time.perf_counter()  # the run's wall time counts the imports too
 
 import argparse
 import json
@@ -753,9 +757,9 @@ def targets(b: dict) -> dict:
     return out
 
 
-PLOTTED = ("plain", "plain_strip_flag", "session_drop_never", "session_drop_always")  # Part A panels
-STYLE = {"plain": ("-o", 2.5), "plain_strip_flag": (":x", 1.5), "session_drop_never": ("--s", 1.5),
-         "session_drop_always": ("-^", 1.5)}
+PLOTTED = ("plain", "plain_strip_flag", "session_drop_never", "session_drop_always", "session_strip_emulated")
+STYLE = {"plain": ("-o", 3.0), "plain_strip_flag": (":x", 1.5), "session_drop_never": ("--s", 1.5),
+         "session_drop_always": ("-^", 1.5), "session_strip_emulated": ("-.d", 1.2)}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -826,7 +830,7 @@ def main() -> None:
     ap.add_argument("--pool-tokens", type=int, default=262144, help="device KV pool of every server and the embedded engine")
     ap.add_argument("--max-context", type=int, default=32768)
     ap.add_argument("--max-running", type=int, default=32, help="--max-running-requests of every server")
-    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--concurrency", default=None, help="Part B agent counts (default 1,8,32; quick 1,8)")
     ap.add_argument("--duration", type=float, default=None, help="seconds per Part B level and driver (default 14, quick 2)")
     ap.add_argument("--strip-server", choices=["on", "off"], default=None,
                     help="run the --strip-thinking-cache server (Part A mode plain_strip_flag; default on, quick off: "
@@ -851,6 +855,7 @@ def main() -> None:
     args.strip_server = args.strip_server or ("off" if args.quick else "on")
     calls = (1, 2) if args.quick else (2, 4)
     system_words = 300 if args.quick else 1000
+    args.concurrency = args.concurrency or ("1,8" if args.quick else "1,8,32")
     levels = [int(c) for c in args.concurrency.split(",")]
     skip = set(filter(None, args.skip.split(",")))
 
@@ -859,7 +864,11 @@ def main() -> None:
 
     from session_runtime.model.export import export_preset
 
-    t_start, load0 = time.perf_counter(), os.getloadavg()
+    load0 = os.getloadavg()
+    import subprocess
+
+    git = {k: subprocess.run(cmd, capture_output=True, text=True, cwd=_HERE.parent).stdout.strip()
+           for k, cmd in (("commit", ["git", "rev-parse", "HEAD"]), ("status", ["git", "status", "--porcelain"]))}
     if args.threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every server the bench launches
         torch.set_num_threads(args.threads)  # the embedded engine runs in this process
@@ -993,7 +1002,8 @@ def main() -> None:
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") *
                     os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "gpu": None, "python": platform.python_version(),
                     "client_torch_threads": torch.get_num_threads()},
-        "versions": {"sglang": sglang.__version__, "torch": torch.__version__},
+        "versions": {"sglang": sglang.__version__, "torch": torch.__version__, "git_commit": git["commit"],
+                     "git_dirty": git["status"].splitlines()},
         "model": {"name": "tiny", "folder": str(folder), "weights": f"random, seed {args.seed}",
                   "config": json.loads((folder / "config.json").read_text()), "dtype": "float32",
                   "kv_bytes_per_token": bpt, "tokenizer": tokenizer.name, "template": "deepseek"},
@@ -1025,7 +1035,7 @@ def main() -> None:
         "part_b": {"backends": backends,
                    "targets": targets(backends) if {"sglang_session_runtime", "sglang_plain"} <= set(backends) else None},
         "notes": NOTES,
-        "wall_s": round(time.perf_counter() - t_start, 1),
+        "wall_s": round(time.perf_counter() - _T0, 1),
         "loadavg": {"start": list(load0), "end": list(os.getloadavg())},
     }
     write_report("sglang", result, plot)
@@ -1086,12 +1096,12 @@ NOTES = {
                   "forced replay the output is input, so the flag cannot act, and plain_strip_flag equals plain "
                   "token for token. It would need the forced tokens to be decoded one by one (a custom logit "
                   "processor) with a reasoning parser and the scheduler's tokenizer: not done here.",
-    "strip_emulated": "Supplementary mode (not plotted): the runtime's own emulation of the flag (policy "
-                      "strip_thinking_cache: kv_hints cache_output=false, no chain). On the SGLang backend it does "
-                      "not strip forced output either: the backend sends forced ids as input_ids, and the session "
-                      "cache's checkpoint cuts at len(origin_input_ids), which includes them; so its tool steps "
-                      "recompute only the partial page, unlike the embedded engine (bench/policies.py: 17,848 "
-                      "tokens). Reported as a bug of the SGLang backend, outside bench/.",
+    "strip_emulated": "Supplementary mode: the runtime's own per-request emulation of the flag's semantics on our "
+                      "backend (policy strip_thinking_cache: kv_hints cache_limit = the step's prompt length, no "
+                      "chain), i.e. what --strip-thinking-cache would do if the output were generated: each step "
+                      "caches only its prompt, so tool steps recompute the previous steps' output. (Before commit "
+                      "8c23380 the hint said cache_output=false and the session cache cut at len(origin_input_ids), "
+                      "which includes forced output, so forced output was cached anyway.)",
     "memory_pressure": "Part A runs without memory pressure (pool >> workload): plain SGLang then keeps everything "
                        "and its reuse equals drop+never's. What differs: nothing of plain SGLang's is locked (LRU "
                        "may evict the live prefix under load while the orphaned branches stay), drop+always moves "
@@ -1122,7 +1132,8 @@ NOTES = {
            "out-of-tree CPU platform; a server start costs 2-3 minutes here (~200 CPU-seconds). Absolute numbers "
            "are CPU numbers; ratios are the point.",
     "quick": "--quick: 3 turns at half scale, 1-2 tool calls per turn, 1 replay per mode, 2 s per Part B level and "
-             "driver, 1 round, and no --strip-thinking-cache server (--strip-server on to run it).",
+             "driver, 1 round, 1 and 8 agents only, and no --strip-thinking-cache server (--strip-server on to run "
+             "it): two server starts already take about 6 of its 8 minutes here.",
 }
 
 

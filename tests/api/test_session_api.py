@@ -72,7 +72,7 @@ def forced_len(rt, forced) -> int:
 def test_health(client):
     r = client.get("/health")
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "model": "tiny", "device": "cpu"}
+    assert r.json() == {"status": "ok", "model": "tiny", "device": "cpu", "backend": "embedded"}
 
 
 def test_create_returns_201_with_every_field(client, rt):

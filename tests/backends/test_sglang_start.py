@@ -23,10 +23,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sglang_servers() -> set[int]:
+def _sglang_servers(marker: str) -> set[int]:
+    """SGLang servers running with `marker` on their command line."""
     out = set()
     for p in psutil.process_iter(["cmdline"]):
-        if "sglang.launch_server" in " ".join(p.info["cmdline"] or ()):
+        line = " ".join(p.info["cmdline"] or ())
+        if "sglang.launch_server" in line and marker in line:
             out.add(p.pid)
     return out
 
@@ -37,13 +39,12 @@ def test_sglang_args_split():
 
 
 def test_a_server_that_exits_during_start_up_is_named_with_its_log(tiny_hf_folder):
-    before = _sglang_servers()
     with pytest.raises(InvalidRequest) as err:
         Runtime(RuntimeConfig(model=str(tiny_hf_folder), backend="sglang", template="deepseek", data_dir=None,
                               pool_tokens=2048, sglang_args=("--no-such-flag",)), background=False)
     message = str(err.value)
     assert "SGLang's server exited with code" in message and "--no-such-flag" in message
-    assert _sglang_servers() <= before
+    assert _sglang_servers("--no-such-flag") == set()
 
 
 def test_nothing_listening_at_sglang_url():
