@@ -107,12 +107,16 @@ def test_both_backends_account_the_same(embedded_twin, sglang_runtime):
         live = start_server(rt)
         try:
             with httpx.Client(base_url=live.url, timeout=300) as c:
-                _, steps, conv = tool_chain(c, rt, "You are the same weather agent on both backends.")
-                figures[name] = ([{k: a[k] for k in _KEYS} for a in steps], conv["chain"]["cached_tokens"],
-                                 [t["fork_tokens"] for t in conv["turns"]])
+                for policy in ("drop", "keep", "strip_thinking_cache", "engine_default"):
+                    cid, steps, conv = tool_chain(c, rt, f"You are the same {policy} agent on both backends.",
+                                                  policy=policy)
+                    figures[name, policy] = ([{k: a[k] for k in _KEYS} for a in steps],
+                                             conv["chain"]["cached_tokens"], [t["fork_tokens"] for t in conv["turns"]])
+                    rt.delete_conversation(cid)
         finally:
             live.stop()
-    assert figures["embedded"] == figures["sglang"]
+    for policy in ("drop", "keep", "strip_thinking_cache", "engine_default"):
+        assert figures["embedded", policy] == figures["sglang", policy], policy
 
 
 def test_keep_policy_reuses_the_whole_generated_turn(client, backend_live):

@@ -105,7 +105,7 @@ class SGLangBackend(Backend):
             logprobs = [e[0] for e in meta.get("output_token_logprobs") or []] if req.sampling.logprobs else None
         cached = min(int(meta.get("cached_tokens") or 0), n)
         ps = self.page_size
-        held = (len(computed) if req.cache_output else n) // ps * ps if req.hold_chain else 0
+        inserted = (len(computed) if req.cache_output else n) // ps * ps  # as the embedded engine reports it
         total_ms = (end_t - t0) * 1e3
         accounting = StepAccounting(
             prompt_tokens=n, cached_input_tokens=cached, host_loaded_tokens=0,
@@ -113,7 +113,7 @@ class SGLangBackend(Backend):
             alignment_loss_tokens=max(0, logical - cached),
             recomputed_history_tokens=max(0, min(req.history_len, n) - cached),
             active_context_length=len(computed), output_tokens=len(output),
-            kv_device_bytes=held * self.bytes_per_token, kv_host_bytes=0,
+            kv_device_bytes=inserted * self.bytes_per_token, kv_host_bytes=0,
             # SGLang does not report its prefill time per request: the first
             # token as this client sees it bounds it from above.
             prefill_ms=(first_t - t0) * 1e3, ttft_ms=(first_t - t0) * 1e3,
