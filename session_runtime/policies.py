@@ -82,14 +82,18 @@ class MaterializeSettings:
         if not 0.0 <= self.continue_probability <= 1.0:
             raise InvalidRequest("continue_probability must be within [0, 1]")
 
-    def decide(self, reasoning_tokens: int, answer_tokens: int, free_fraction: float, idle: bool) -> tuple[bool, str]:
-        """(materialize?, why) for one closed turn."""
+    def decide(self, reasoning_tokens: int, answer_tokens: int, free_fraction, idle: bool) -> tuple[bool, str]:
+        """(materialize?, why) for one closed turn. `free_fraction` is a float or
+        a callable giving one, read only when the decision needs it (on SGLang
+        it is a round trip to the scheduler)."""
         if self.mode != "auto":
             return self.mode == "always", f"materialize={self.mode}"
         if self.continue_probability < self.min_continue_probability:
             return False, "conversation unlikely to continue"
         if reasoning_tokens < self.min_reasoning_ratio * max(answer_tokens, 1):
             return False, f"|R|/|A| = {reasoning_tokens}/{answer_tokens} below {self.min_reasoning_ratio}"
+        if callable(free_fraction):
+            free_fraction = free_fraction()
         if free_fraction < self.min_free_fraction:
             return False, f"pool {free_fraction:.0%} free, below {self.min_free_fraction:.0%}"
         if self.require_idle and not idle:

@@ -369,11 +369,11 @@ class Runtime(RuntimeInspection):
     def _counterfactual(self, conv: Conversation, tpl: Template, ns: Namespace, new: list[Message]) -> dict:
         """Keep vs drop for this turn's prompt, probed on the tree as it is now."""
         generated = [e.message for e in conv.trace] + new
-        out = {}
-        for name, keep in (("keep", turn_rules.keep_all), ("drop", turn_rules.keep_from(new[0].turn))):
-            prompt = tpl.render(conv.system, conv.tools, generated, keep, True).ids
-            out[name] = turn_rules.counterfactual_entry(prompt, self.backend.probe(ns, prompt))
-        return out
+        rules = (("keep", turn_rules.keep_all), ("drop", turn_rules.keep_from(new[0].turn)))
+        prompts = [tpl.render(conv.system, conv.tools, generated, keep, True).ids for _, keep in rules]
+        probes = self.backend.probe_many(ns, prompts)
+        return {name: turn_rules.counterfactual_entry(prompt, probe)
+                for (name, _), prompt, probe in zip(rules, prompts, probes)}
 
     def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual) -> Step:
         """Record a successful step in every layer, then close the turn if it ended."""
@@ -442,7 +442,7 @@ class Runtime(RuntimeInspection):
             ok, why = conv.materialize.decide(
                 reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
                 answer_tokens=len(canonical) - fork,
-                free_fraction=self.backend.free_fraction(),
+                free_fraction=self.backend.free_fraction,
                 idle=self.materializer.waiting_users == 0,  # this request has already left
             )
             record.materialize = ("scheduled: " if ok else "skipped: ") + why

@@ -73,6 +73,7 @@ class SchedulerSessionCache(SessionRadixCache):
     def handlers(self) -> dict:
         return {
             "ping": self._cmd_ping, "pools": self._cmd_pools, "probe": self._cmd_probe,
+            "probe_many": self._cmd_probe_many,
             "hold_prefix": self._cmd_hold_prefix, "release": self._cmd_release,
             "snapshot": self._cmd_snapshot, "check": self._cmd_check,
         }
@@ -95,6 +96,13 @@ class SchedulerSessionCache(SessionRadixCache):
     def _cmd_probe(self, args: dict, scheduler: Any) -> dict:
         result = self.probe(_key(args))
         return {"logical_len": result.logical_len, "device_len": result.device_len}
+
+    def _cmd_probe_many(self, args: dict, scheduler: Any) -> list:
+        prompts = args.get("prompts")
+        if not isinstance(prompts, list) or len(prompts) > 64:
+            raise BadCommand("prompts must be a list of at most 64 token lists")
+        keys = [_key({**args, "tokens": p}) for p in prompts]  # validate all before reading any
+        return [{"logical_len": r.logical_len, "device_len": r.device_len} for r in map(self.probe, keys)]
 
     def _cmd_hold_prefix(self, args: dict, scheduler: Any) -> dict:
         """Move the owner's chain to the longest cached page-aligned prefix of

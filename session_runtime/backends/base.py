@@ -73,6 +73,10 @@ class Backend(ABC):
         """What a step with this prompt would reuse, without changing the tree.
         The last token is excluded: it is always computed for its logits."""
 
+    def probe_many(self, namespace: Namespace, prompts: Sequence[Sequence[int]]) -> list[ProbeResult]:
+        """`probe` of each prompt, as one read of the tree."""
+        return [self.probe(namespace, p) for p in prompts]
+
     @abstractmethod
     def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
         """Move `owner`'s chain to the longest cached page-aligned prefix of

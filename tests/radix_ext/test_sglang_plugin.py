@@ -178,6 +178,8 @@ def test_finished_request_moves_the_chain_and_control_reads_it(served_cache):
     assert sorted((n["tokens"], tuple(n["owners"])) for n in nodes) == [(4, ("a",)), (4, ("b",)), (8, ("a", "b"))]
     assert client.call("snapshot", owner="b")["nodes"][-1]["preview"] == [50, 51, 52, 53]
     assert client.call("probe", tokens=list(range(1, 11))) == {"logical_len": 10, "device_len": 8}
+    assert client.call("probe_many", prompts=[list(range(1, 11)), [1, 2, 3, 4, 60]]) == [
+        {"logical_len": 10, "device_len": 8}, {"logical_len": 4, "device_len": 4}]
     assert client.call("check") == {"checked": "full", "chains": 2}
     # The turn closes: the chain moves back to the fork point, the branch is unheld.
     assert client.call("hold_prefix", owner="a", tokens=list(range(1, 11))) == {"tokens": 8}
@@ -204,6 +206,7 @@ def test_intent_hold_false_and_aborted_requests(served_cache):
     ("hold_prefix", {"owner": "a", "tokens": "1,2"}, BadCommand),
     ("probe", {"tokens": [1], "extra_key": 5}, BadCommand),
     ("snapshot", {"preview_tokens": 10_000}, BadCommand),
+    ("probe_many", {"prompts": [[1, 2], [3, "x"]]}, BadCommand),
     ("release", {"owner": "a", "expect_tokens": 4}, StaleCommand),
     ("hold_prefix", {"owner": "a", "tokens": [1, 2, 3, 4], "expect_tokens": 12}, StaleCommand),
 ])

@@ -263,6 +263,10 @@ class SGLangBackend(Backend):
         got = self._call("probe", tokens=tokens, **_ns(namespace))
         return ProbeResult(logical_len=got["logical_len"], device_len=got["device_len"])
 
+    def probe_many(self, namespace: Namespace, prompts: Sequence[Sequence[int]]) -> list[ProbeResult]:
+        got = self._call("probe_many", prompts=[list(p)[: max(len(p) - 1, 0)] for p in prompts], **_ns(namespace))
+        return [ProbeResult(logical_len=g["logical_len"], device_len=g["device_len"]) for g in got]
+
     def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
         return self._call("hold_prefix", owner=owner, tokens=list(tokens), **_ns(namespace))["tokens"]
 
