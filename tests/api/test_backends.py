@@ -223,7 +223,9 @@ def test_baselines_cache_as_sglang_does(client, backend_live):
 def test_canonical_branch_in_idle_time(client, backend_live):
     rt = backend_live.runtime
     cid = create(client, system=_system(), policy="drop", materialize="always")
-    step_ok(msg(client, cid, content="What is 2+2?", forced={"reasoning": THINK, "content": "2 + 2 = 4."}))
+    # The answer spans more than a page past the prompt, so the canonical branch
+    # is reused beyond P whatever the prompt's own length.
+    step_ok(msg(client, cid, content="What is 2+2?", forced={"reasoning": THINK, "content": "2 + 2 = 4. " * 8}))
     assert rt.materializer.run_pending() == 1  # the test's idle time
     conv = client.get(f"/v1/conversations/{cid}").json()
     canonical = conv["turns"][0]["steps"][-1]["active_context_length"]
