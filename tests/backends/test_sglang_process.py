@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import psutil
@@ -93,7 +92,8 @@ def test_the_preset_is_served_by_sglang(served):
 
 def test_sglang_dies_and_comes_back(served):
     proc, client, data = served
-    cid = client.post("/v1/conversations", json={"system": "You are terse in a restart test.", "policy": "drop"}).json()["id"]
+    cid = client.post("/v1/conversations", json={"system": "You are terse in a restart test.", "policy": "drop",
+                                                  "materialize": "never"}).json()["id"]
     first = client.post(f"/v1/conversations/{cid}/messages", json={"content": "What is 2+2?", "forced": FORCED})
     assert first.status_code == 200, first.text
     before = client.get(f"/v1/conversations/{cid}").json()

@@ -25,7 +25,7 @@ from session_runtime.config import RuntimeConfig
 from session_runtime.backends.embedded.engine_host import HostTierOps
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.model.decoder import Decoder
-from session_runtime.sampling import Sampler, SamplingParams, token_logprob
+from session_runtime.sampling import Sampler, token_logprob
 
 
 class _SlotBuffer:

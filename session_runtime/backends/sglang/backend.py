@@ -213,17 +213,21 @@ class SGLangBackend(Backend):
 
         try:
             self.server.stop()  # what is left of its process group
-            self.server = relaunch(self.server)
+            relaunch(self.server, on_spawn=self._adopt)
             self.restarts += 1
-            if self._closing:  # the runtime stopped while this one started
-                self.server.stop()
-                return
             logger.warning("SGLang's server is back at %s after %.0f s", self.url, self.server.started_s)
         except LaunchFailed as exc:
             logger.error("SGLang's server did not come back: %s", exc)
         finally:
             with self._restart_lock:
                 self._restarting = None
+
+    def _adopt(self, server) -> None:
+        """The restarted server's process exists: from now on close() stops it."""
+        with self._restart_lock:
+            self.server = server
+            if self._closing:  # the runtime stopped while this one started
+                server.stop()
 
     def _down(self, why: str) -> str:
         state = ""
@@ -312,12 +316,13 @@ class SGLangBackend(Backend):
     def close(self) -> None:
         self.http.close()
         if self.server is not None:
-            self._closing = True
-            self.server.stop()
-            restarting = self._restarting
+            with self._restart_lock:
+                self._closing = True
+                server, restarting = self.server, self._restarting
+            server.stop()  # a restart under way stops at once: its wait sees it
             if restarting is not None:
-                restarting.join(timeout=1)
-                self.server.stop()
+                restarting.join(timeout=10)
+            self.server.stop()
 
 
 def _ns(namespace: Namespace) -> dict:

@@ -63,13 +63,14 @@ class LaunchSpec:
         ]
 
 
-def relaunch(old: "LaunchedServer", timeout_s: float = START_TIMEOUT_S) -> "LaunchedServer":
+def relaunch(old: "LaunchedServer", on_spawn=None, timeout_s: float = START_TIMEOUT_S) -> "LaunchedServer":
     """Start a stopped server again on the same port (so its URL and its
     control channel's address stay the same). Raises LaunchFailed."""
     from dataclasses import replace
     from urllib.parse import urlparse
 
-    return launch(replace(old.spec, port=urlparse(old.url).port, log_path=old.log_path), old.ready, timeout_s)
+    return launch(replace(old.spec, port=urlparse(old.url).port, log_path=old.log_path), old.ready, timeout_s,
+                  on_spawn=on_spawn)
 
 
 @dataclass
@@ -155,9 +156,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise LaunchFailed("no free port pair for SGLang and its control channel")
 
 
-def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S) -> LaunchedServer:
-    """Start the server and wait until `ready(url)` returns True. Raises
-    LaunchFailed with the log's tail when the process exits or times out."""
+def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn=None) -> LaunchedServer:
+    """Start the server and wait until `ready(url)` returns True. `on_spawn` is
+    called with the server as soon as its process exists, so that whoever may
+    stop it meanwhile (a runtime shutting down) can; a server stopped during
+    start-up ends the wait. Raises LaunchFailed with the log's tail when the
+    process exits, is stopped or times out."""
     port = spec.port or free_port(spec.host)
     url = f"http://{spec.host}:{port}"
     log_path = spec.log_path or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1]
@@ -169,8 +173,12 @@ def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S) -> Launc
         proc = subprocess.Popen(spec.argv(port), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # its own process group: stop() kills all of it
     server = LaunchedServer(spec, url, proc, log_path, ready)
+    if on_spawn is not None:
+        on_spawn(server)
     deadline = t0 + timeout_s
     while time.monotonic() < deadline:
+        if server._stopped:
+            raise LaunchFailed(f"SGLang's server was stopped during start-up (log {log_path})")
         if not server.alive():
             tail = server.log_tail()
             server.stop()
