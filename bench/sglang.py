@@ -73,6 +73,7 @@ from report import RESULTS, write_report  # noqa: E402
 
 from session_runtime.backends.base import StepRequest  # noqa: E402
 from session_runtime.backends.sglang.launcher import LaunchSpec, LaunchedServer, launch  # noqa: E402
+from session_runtime.backends.sglang.backend import sse_chunks  # noqa: E402
 from session_runtime.config import RuntimeConfig  # noqa: E402
 from session_runtime.runtime import Runtime  # noqa: E402
 from session_runtime.sampling import SamplingParams  # noqa: E402
@@ -282,13 +283,7 @@ def generate(http: httpx.Client, url: str, ids: list[int], max_new: int, stop: l
     with http.stream("POST", f"{url}/generate", json=body) as resp:
         if resp.status_code >= 400:
             raise RuntimeError(f"/generate: HTTP {resp.status_code}: {resp.read()[:300]!r}")
-        for line in resp.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+        for chunk in sse_chunks(resp.iter_lines()):
             if "error" in chunk:
                 raise RuntimeError(f"/generate: {chunk['error']}")
             if first is None and (chunk.get("output_ids") or max_new == 0):

@@ -63,7 +63,6 @@ class Backend(ABC):
     bytes_per_token: int
     capacity: int  # device KV slots
     supports_offload: bool = False  # tool-wait offload to a host tier
-    serializes_steps: bool = True  # one step at a time (embedded) or batched (sglang)
 
     @abstractmethod
     def step(self, req: StepRequest) -> StepResult: ...

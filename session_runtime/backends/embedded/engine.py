@@ -55,7 +55,6 @@ class Engine(HostTierOps, Backend):
 
     name = "embedded"
     supports_offload = True
-    serializes_steps = True
 
     def __init__(self, config: RuntimeConfig, decoder: Decoder):
         self.config = config

@@ -40,7 +40,6 @@ class SGLangBackend(Backend):
 
     name = "sglang"
     supports_offload = False
-    serializes_steps = False
 
     def __init__(self, url: str, control: ControlClient, *, page_size: int, capacity: int,
                  bytes_per_token: int, vocab_size: int, max_context: int, server=None,
@@ -174,13 +173,7 @@ class SGLangBackend(Backend):
                 if resp.status_code >= 400:
                     text = resp.read().decode(errors="replace")
                     raise self._http_error(resp.status_code, text)
-                for line in resp.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    chunk = json.loads(data)
+                for chunk in sse_chunks(resp.iter_lines()):
                     if "error" in chunk:
                         raise self._abort_error(str(chunk["error"]))
                     yield chunk
@@ -323,6 +316,18 @@ class SGLangBackend(Backend):
             if restarting is not None:
                 restarting.join(timeout=10)
             self.server.stop()
+
+
+def sse_chunks(lines):
+    """The JSON objects of SGLang's `/generate` stream (`data: {...}` lines up to
+    `data: [DONE]`)."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
 
 
 def _ns(namespace: Namespace) -> dict:
