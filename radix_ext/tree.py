@@ -3,6 +3,9 @@
 What it adds to the parent class:
 - chains: each conversation's tail node is locked, so its path is never
   evicted; `set_chain` moves the lock, `release_chain` drops it;
+- private tails: a chain's partial last page, held by it alone (`tails.py`);
+- `hold_prefix`: the fork after a turn drops its reasoning, with the partial
+  page copied and the generated branch past it freed at once;
 - `probe`: the reusable prefix of a key, logical and page-aligned, without the
   node splits and access-time updates that `match_prefix` makes;
 - `snapshot`: every node with hits, locks, residency and owners, for debugging;
@@ -26,6 +29,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from radix_ext.pools import KVPools
+from radix_ext.tails import PrivateTail, check_tail, common_length, copy_slots, page_of
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,9 @@ class TailPlan:
     tail: TreeNode
     anchor: TreeNode
     nodes: tuple[TreeNode, ...]
-    slots: torch.Tensor
+    slots: torch.Tensor  # the nodes' slots, then the private tail's
     tokens: array
+    private: Optional[PrivateTail] = None
 
 
 class SessionRadixCache(RadixCache):
@@ -86,6 +91,7 @@ class SessionRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams):
         super().__init__(params)
         self.chains: dict[str, TreeNode] = {}
+        self.tails: dict[str, PrivateTail] = {}  # owner -> its chain's partial last page
 
     @classmethod
     def over_pools(cls, pools: KVPools) -> "SessionRadixCache":
@@ -107,8 +113,10 @@ class SessionRadixCache(RadixCache):
 
     # ----- chains -----------------------------------------------------------
 
-    def set_chain(self, owner: str, node: TreeNode) -> None:
-        """Lock `node` for `owner` and unlock the owner's previous tail.
+    def set_chain(self, owner: str, node: TreeNode, tail: Optional[PrivateTail] = None) -> None:
+        """Lock `node` for `owner` and unlock the owner's previous tail; `tail`
+        (pages the caller owns) becomes the chain's private partial page, and a
+        previous private page not handed back is freed.
 
         Locks the new tail before unlocking the old one, so a shared prefix is
         never evictable in between.
@@ -118,19 +126,113 @@ class SessionRadixCache(RadixCache):
         if old is not None:
             self.dec_lock_ref(old)
         self.chains[owner] = node
+        self._set_tail(owner, tail)
 
     def release_chain(self, owner: str) -> None:
-        """Unlock the owner's chain; its nodes become evictable (LRU). No-op if none."""
+        """Unlock the owner's chain; its nodes become evictable (LRU) and its
+        private page is freed. No-op if none."""
         old = self.chains.pop(owner, None)
         if old is not None:
             self.dec_lock_ref(old)
+        self._set_tail(owner, None)
 
-    def hold_prefix(self, owner: str, key: RadixKey) -> int:
-        """Move `owner`'s chain to the longest cached page-aligned prefix of `key`.
-        Mutates: may split a node. Returns the chain's new length in tokens."""
+    def _set_tail(self, owner: str, tail: Optional[PrivateTail]) -> None:
+        old = self.tails.pop(owner, None)
+        if old is not None and (tail is None or old.page[0] != tail.page[0]):
+            self.token_to_kv_pool_allocator.free(old.page)
+        if tail is not None and len(tail.tokens):
+            self.tails[owner] = tail
+        elif tail is not None:
+            self.token_to_kv_pool_allocator.free(tail.page)
+
+    def take_tail(self, owner: str, node: TreeNode, key: RadixKey, limit: int) -> Optional[PrivateTail]:
+        """The owner's private page, handed to a step whose matched prefix ends at
+        the chain's node: its head that `key[depth:limit]` continues. The step
+        owns the page now (it writes the rest of it) and gives it back with
+        `set_chain` or `return_tail`. None (and the page stays) otherwise."""
+        tail = self.tails.get(owner)
+        if tail is None or self.chains.get(owner) is not node:
+            return None
+        k = common_length(tail.tokens, key.token_ids, _depth(node), limit)
+        if k == 0:
+            return None
+        del self.tails[owner]
+        return tail.head(k)
+
+    def return_tail(self, owner: str, node: TreeNode, tail: PrivateTail) -> None:
+        """A step that took `tail` failed: its head is intact (the step wrote only
+        past it). Back to the chain if the chain is still at `node`, else freed."""
+        if self.chains.get(owner) is node and owner not in self.tails:
+            self.tails[owner] = tail
+        else:
+            self.token_to_kv_pool_allocator.free(tail.page)
+
+    def make_tail(self, tokens: Sequence[int], page: torch.Tensor) -> Optional[PrivateTail]:
+        """A private tail of `tokens` in the head of `page` (None for no tokens)."""
+        return PrivateTail(array("q", tokens), page) if len(tokens) else None
+
+    def hold_prefix(self, owner: str, key: RadixKey, free_branch: bool = False) -> int:
+        """Move `owner`'s chain to the fork point `key` (the canonical prefix a
+        closed turn shares with what it generated). The cached page-aligned
+        prefix is held; the valid head of the page the fork falls in is copied
+        from the old chain into a fresh private page (exact: same positions,
+        same prefix). With `free_branch`, the old chain's nodes past the fork
+        that no other chain or request holds are freed at once. Mutates: may
+        split a node. Returns the chain's new length in tokens."""
+        old, old_tail = self.chains.get(owner), self.tails.get(owner)
         node = self.match_prefix(MatchPrefixParams(key=key)).last_device_node
-        self.set_chain(owner, node)
-        return _depth(node)
+        tail = self._copy_fork_page(old, old_tail, node, key)
+        self.set_chain(owner, node, tail)
+        if free_branch and old is not None:
+            self.free_branch(old)
+        return self.chain_tokens(owner)
+
+    def _copy_fork_page(self, old, old_tail, node: TreeNode, key: RadixKey) -> Optional[PrivateTail]:
+        """A fresh page holding key[depth(node):] (less than a page) copied from
+        the old chain's path, or None when it has no such head or the pool has
+        no page even after evicting."""
+        a, ps = _depth(node), self.page_size
+        want = min(len(key), a + ps - 1) - a
+        if old is None or want <= 0:
+            return None
+        path = self.path_tokens(old)
+        slots = self.path_device_indices(old)
+        if old_tail is not None:
+            path.extend(old_tail.tokens)
+            slots = torch.cat((slots, old_tail.slots))
+        if old.key.extra_key != key.extra_key or old.key.cache_salt != key.cache_salt:
+            return None
+        c = common_length(path[a:], key.token_ids, a, a + want) if len(path) > a else 0
+        if c == 0 or path[:a] != key.token_ids[:a]:
+            return None
+        page = self._alloc_page()
+        if page is None:
+            return None
+        copy_slots(self.token_to_kv_pool_allocator.get_kvcache(), slots[a : a + c], page[:c])
+        return PrivateTail(array("q", key.token_ids[a : a + c]), page)
+
+    def _alloc_page(self) -> Optional[torch.Tensor]:
+        alloc = self.token_to_kv_pool_allocator
+        if alloc.available_size() < self.page_size:
+            self.evict(EvictParams(num_tokens=self.page_size))
+        slots = alloc.alloc(self.page_size)
+        return None if slots is None else page_of(slots, self.page_size)
+
+    def free_branch(self, node: TreeNode) -> int:
+        """Free `node` and its ancestors, leaf upwards, while they are unlocked
+        leaves (no chain, no request in flight, no other branch below). Returns
+        the tokens freed."""
+        freed = 0
+        while node is not self.root_node and node.lock_ref == 0 and not node.children and not node.evicted:
+            parent = node.parent
+            if parent is None or parent.children.get(node.key.child_key(self.page_size)) is not node:
+                break  # already gone from the tree
+            self.token_to_kv_pool_allocator.free(node.value)
+            self._delete_leaf(node)
+            self.kv_events.record_remove(node)
+            freed += len(node.key)
+            node = parent
+        return freed
 
     def path_tokens(self, node: TreeNode) -> array:
         """Token ids from the root to the end of `node`."""
@@ -144,12 +246,22 @@ class SessionRadixCache(RadixCache):
         return out
 
     def chain_tokens(self, owner: str) -> int:
+        """Tokens the owner's chain holds: its node's depth plus its private page's."""
         node = self.chains.get(owner)
-        return 0 if node is None else _depth(node)
+        tail = self.tails.get(owner)
+        return (0 if node is None else _depth(node)) + (0 if tail is None else len(tail.tokens))
 
     def chain_slots(self, owner: str) -> torch.Tensor:
         node = self.chains.get(owner)
-        return self._empty_device_indices if node is None else self.path_device_indices(node)
+        if node is None:
+            return self._empty_device_indices
+        tail = self.tails.get(owner)
+        slots = self.path_device_indices(node)
+        return slots if tail is None else torch.cat((slots, tail.slots))
+
+    def private_tokens(self) -> int:
+        """Slots held by private pages (whole pages)."""
+        return len(self.tails) * self.page_size
 
     # ----- host tier -------------------------------------------------------------
 
@@ -157,6 +269,7 @@ class SessionRadixCache(RadixCache):
         """The owner's exclusive tail: nodes locked by its chain only, with no
         other branch below them. None when there is nothing to demote. Read-only."""
         node = self.chains.get(owner)
+        private = self.tails.get(owner)
         if node is None or node is self.root_node or node.children:
             return None
         nodes = []
@@ -170,11 +283,17 @@ class SessionRadixCache(RadixCache):
         tokens = array("q")
         for n in nodes:
             tokens.extend(n.key.token_ids)
-        return TailPlan(owner, node, walk, tuple(nodes), torch.cat([n.value for n in nodes]), tokens)
+        values = [n.value for n in nodes]
+        if private is not None:
+            tokens.extend(private.tokens)
+            values.append(private.slots)
+        return TailPlan(owner, node, walk, tuple(nodes), torch.cat(values), tokens, private)
 
     def plan_still_valid(self, plan: TailPlan) -> bool:
         """Has nothing touched the planned tail since `plan_demote`?"""
         if self.chains.get(plan.owner) is not plan.tail or plan.nodes[0].parent is not plan.anchor:
+            return False
+        if self.tails.get(plan.owner) is not plan.private:
             return False
         last = len(plan.nodes) - 1
         for i, n in enumerate(plan.nodes):
@@ -183,11 +302,13 @@ class SessionRadixCache(RadixCache):
             linked = i == 0 or n.parent is plan.nodes[i - 1]
             if not attached or not linked or n.lock_ref != 1 or len(n.children) != (0 if i == last else 1):
                 return False
-        return sum(len(n.key) for n in plan.nodes) == len(plan.tokens)
+        private = 0 if plan.private is None else len(plan.private.tokens)
+        return sum(len(n.key) for n in plan.nodes) + private == len(plan.tokens)
 
     def drop_tail(self, plan: TailPlan) -> None:
         """Move the chain to the anchor and delete the tail, freeing its device
-        pages (their KV now lives on the host). Requires plan_still_valid(plan)."""
+        pages and private page (their KV now lives on the host). Requires
+        plan_still_valid(plan)."""
         self.set_chain(plan.owner, plan.anchor)
         for node in reversed(plan.nodes):
             assert not node.children, f"node {node.id} of a demoted tail is not a leaf"
@@ -196,13 +317,17 @@ class SessionRadixCache(RadixCache):
             self.kv_events.record_remove(node)
 
     def restore_tail(self, owner: str, key: RadixKey, slots: torch.Tensor) -> int:
-        """Insert `key` (the chain's anchor path plus a reloaded tail in `slots`)
-        and move the chain to its end. Returns the insert's prefix_len: reloaded
+        """Insert `key` (the chain's anchor path plus a reloaded tail in `slots`,
+        whole pages) and move the chain to its end; a partial last page becomes
+        the chain's private page. Returns the insert's prefix_len: reloaded
         slots below it duplicate KV already in the tree, the caller frees them."""
         anchor = self.chains[owner]
+        start = _depth(anchor)
         value = torch.cat((self.path_device_indices(anchor), slots))
         node, prefix_len = self.insert_sequence(key, value)
-        self.set_chain(owner, node)
+        aligned = len(key) // self.page_size * self.page_size
+        page = slots[aligned - start : aligned - start + self.page_size]
+        self.set_chain(owner, node, self.make_tail(key.token_ids[aligned:], page) if len(page) else None)
         return prefix_len
 
     # ----- matching ---------------------------------------------------------
@@ -331,9 +456,16 @@ class SessionRadixCache(RadixCache):
             cached += len(node.key)
         free_pages = set(alloc.get_all_free_pages().tolist())
         assert not (free_pages & seen_pages), "a cached page is also on the free list"
+        for owner, tail in self.tails.items():
+            check_tail(owner, tail, ps)
+            assert owner in self.chains, f"private page of {owner} without a chain"
+            page = int(tail.page[0]) // ps
+            assert page not in seen_pages and page not in free_pages, f"private page of {owner} is shared"
+            seen_pages.add(page)
         if in_flight_tokens is not None:
-            assert alloc.available_size() + cached + in_flight_tokens == self.capacity, (
-                f"free {alloc.available_size()} + cached {cached} + in flight "
+            private = self.private_tokens()
+            assert alloc.available_size() + cached + private + in_flight_tokens == self.capacity, (
+                f"free {alloc.available_size()} + cached {cached} + private {private} + in flight "
                 f"{in_flight_tokens} != capacity {self.capacity}"
             )
         assert self.evictable_size_ + self.protected_size_ == cached, "size counters drifted"

@@ -92,6 +92,11 @@ class Conversation:
     protocol: Optional[ProtocolState] = None  # set while a turn is open
     chain_tokens: list[int] = field(default_factory=list)  # last computed sequence
     canonical_kind: str = "none"  # what the chain holds: generated, prefix, canonical
+    # Token-level shadows of what the keep and drop policies' chains would hold
+    # after the last closed turn (no KV): the counterfactual reads them, so it
+    # stays right after the real generated branch is freed. Not persisted: after
+    # a restart no chain holds anything either.
+    shadows: dict = field(default_factory=dict, compare=False)
     version: int = 0  # bumped by every committed step and every adopted history
 
     @property

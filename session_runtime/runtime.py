@@ -372,7 +372,7 @@ class Runtime(RuntimeInspection):
         rules = (("keep", turn_rules.keep_all), ("drop", turn_rules.keep_from(new[0].turn)))
         prompts = [tpl.render(conv.system, conv.tools, generated, keep, True).ids for _, keep in rules]
         probes = self.backend.probe_many(ns, prompts)
-        return {name: turn_rules.counterfactual_entry(prompt, probe)
+        return {name: turn_rules.counterfactual_entry(prompt, probe, conv.shadows.get(name, ()))
                 for (name, _), prompt, probe in zip(rules, prompts, probes)}
 
     def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual) -> Step:
@@ -429,6 +429,7 @@ class Runtime(RuntimeInspection):
         fork = turn_rules.common_prefix(generated, canonical)
         record.fork_tokens = fork
         acc = dataclasses.replace(acc, active_context_length=len(canonical))
+        self._shadow(conv, tpl, record, generated)
         if fork >= len(generated):
             conv.canonical_kind = "generated"  # nothing dropped: the chain is canonical
             return self._chain_bytes(conv, acc)
@@ -436,8 +437,9 @@ class Runtime(RuntimeInspection):
         if not conv.policy.holds_chain:
             return self._chain_bytes(conv, acc)
         # A's KV was computed after R: past the fork nothing may be reused. Hold
-        # only the shared prefix; the generated branch is left to LRU.
-        self.backend.lock_prefix(conv.id, ns, canonical[:fork])
+        # the shared prefix (its partial page copied); a dropping policy frees
+        # the generated branch at once, where no other chain or step holds it.
+        self.backend.lock_prefix(conv.id, ns, canonical[:fork], free_branch=conv.policy.may_materialize)
         if conv.policy.may_materialize:
             ok, why = conv.materialize.decide(
                 reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
@@ -448,7 +450,19 @@ class Runtime(RuntimeInspection):
             record.materialize = ("scheduled: " if ok else "skipped: ") + why
             if ok:
                 self.materializer.submit(conv.id, canonical, ns)
+                conv.shadows["drop"] = canonical
         return self._chain_bytes(conv, acc)
+
+    def _shadow(self, conv: Conversation, tpl: Template, record: TurnRecord, generated: list[int]) -> None:
+        """What the keep and drop policies' chains would hold now that the turn
+        closed: keep, the generated sequence; drop, its canonical sequence up to
+        the fork (all of it when the branch is materialized: `_close_turn`
+        extends it when it schedules one, or `always` for other policies)."""
+        trace = [e.message for e in conv.trace]
+        dropped = tpl.render(conv.system, conv.tools, trace, turn_rules.keep_from(record.index + 1), False).ids
+        fork = turn_rules.common_prefix(generated, dropped)
+        whole = conv.materialize.mode == "always" and not conv.policy.may_materialize
+        conv.shadows = {"keep": list(generated), "drop": dropped if whole else dropped[:fork]}
 
     def _chain_bytes(self, conv: Conversation, acc):
         """The step's KV figures as the closed turn left the chain."""

@@ -31,8 +31,11 @@ def cache_state(cached: int, page_size: int, prev_prompt_tokens: Optional[int], 
     return "canonical_branch" if prev_kind == "canonical" else "generated_branch"
 
 
-def counterfactual_entry(prompt: Sequence[int], probe: ProbeResult) -> dict:
-    reused = probe.device_len
+def counterfactual_entry(prompt: Sequence[int], probe: ProbeResult, shadow: Sequence[int] = ()) -> dict:
+    """What a policy would pay for `prompt`: the tree's page-aligned reuse, or the
+    policy's own chain (its token shadow: exact, a private last page included),
+    whichever is longer. The last prompt token is always computed."""
+    reused = max(probe.device_len, min(common_prefix(prompt, shadow), len(prompt) - 1))
     return {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reused, "context_tokens": len(prompt)}
 
 

@@ -9,9 +9,18 @@ evict it). The chain outlives the request; only a control command (the
 runtime saying so) releases it or moves it back to a fork point.
 
 Chains are tree locks, so they count in `protected_size()`: the scheduler's
-idle check (available + evictable + protected = total) holds unchanged, and
-the queries its idle loop makes thousands of times a second stay the parent
-class's O(1) counters.
+idle check (available + evictable + protected = total) holds, and the queries
+its idle loop makes thousands of times a second stay O(1) counters.
+
+Private partial pages (`radix_ext/tails.py`): when a request that holds its
+conversation's chain finishes, the page past its last full one is kept for the
+chain instead of freed (`checkpoint` notes it, `free_kv_row` leaves it out,
+`on_release` attaches it). The conversation's next request matches it
+(`match_prefix` offers it, with the protected length still page aligned) and
+takes it at allocation (`prefix_device_indices`): the scheduler's paged
+allocator continues a non-aligned prefix inside its last page, so the request
+writes the rest of that page and recomputes nothing. Private pages count in
+`protected_size()`, so the idle check still adds up.
 """
 
 from __future__ import annotations
@@ -20,11 +29,13 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from radix_ext.sglang.control import BadCommand, ControlServer, StaleCommand, control_address
 from radix_ext.sglang.hints import intent_of
+from radix_ext.tails import common_length, page_of
 from radix_ext.tree import Namespace, SessionRadixCache
 
 logger = logging.getLogger(__name__)
@@ -37,36 +48,104 @@ class SchedulerSessionCache(SessionRadixCache):
 
     def __init__(self, params: CacheInitParams, control_addr: Optional[str] = None):
         super().__init__(params)
+        self._offers: dict[str, str] = {}  # owner -> rid of the request its private page is offered to
+        self._kept: dict[int, tuple[int, Any]] = {}  # id(req.kv) -> (position, tail) kept at finish
         self.control = ControlServer(control_addr, self.handlers()) if control_addr else None
 
     # ----- per-request hooks (called by SGLang's scheduler) -------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """The tree's page-aligned match, extended by the private page of the
+        request's conversation when the request continues it."""
+        result = super().match_prefix(params)
+        req = params.req
+        owner = getattr(req, "session_id", None) if req is not None else None
+        if not owner or self.page_size == 1 or getattr(params.key, "is_bigram", False):
+            return result
+        tail, node = self.tails.get(owner), result.last_device_node
+        if tail is None or self.chains.get(owner) is not node or self._offers.get(owner, req.rid) != req.rid:
+            return result
+        aligned = result.device_prefix_len
+        k = common_length(tail.tokens, params.key.token_ids, aligned, len(params.key))
+        if k == 0:
+            return result
+        self._offers[owner] = req.rid  # one request at a time may write into the page
+        return result._replace(device_prefix_len=aligned + k, cache_protected_len=aligned)
+
+    def prefix_device_indices(self, req) -> torch.Tensor:
+        path = self.path_device_indices(req.last_node)
+        extra = req.prefix_len - len(path)
+        if extra <= 0:
+            return path[: req.prefix_len]
+        # Allocation: the request takes the private page (it writes the rest of it).
+        owner = req.session_id
+        assert self._offers.pop(owner, None) == req.rid, f"private page of {owner} not offered to {req.rid}"
+        tail = self.tails.pop(owner)
+        assert self.chains.get(owner) is req.last_node and extra <= len(tail.tokens)
+        return torch.cat((path, tail.page[:extra].to(path.dtype)))
 
     def checkpoint(self, req, *, up_to: int, **kwargs):
         # A prompt-only step (SGLang's --strip-thinking-cache, per request)
         # inserts only its prompt; the slots past the tree-owned part are freed
         # by release_kv_cache.
-        limit = intent_of(getattr(req, "kv_hints", None)).cache_limit
-        if limit is not None:
-            up_to = min(up_to, limit)
-        return super().checkpoint(req, up_to=up_to, **kwargs)
+        intent = intent_of(getattr(req, "kv_hints", None))
+        if intent.cache_limit is not None:
+            up_to = min(up_to, intent.cache_limit)
+        out = super().checkpoint(req, up_to=up_to, **kwargs)
+        aligned = req.kv.cache_protected_len
+        if (intent.hold and intent.cache_limit is None and getattr(req, "session_id", None) and req.finished()
+                and not _aborted(req) and self.page_size > 1 and 0 < up_to - aligned < self.page_size):
+            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            page = page_of(row[aligned : aligned + 1].to(torch.int64), self.page_size)
+            self._kept[id(req.kv)] = (aligned, self.make_tail(req.full_untruncated_fill_ids[aligned:up_to], page))
+        return out
+
+    def free_kv_row(self, kv, ranges: list[tuple[int, int]]) -> None:
+        kept = self._kept.get(id(kv))
+        if kept is not None:  # the private page is not the row's to free
+            lo, hi = kept[0], kept[0] + self.page_size
+            pieces = []
+            for s, e in ranges:
+                pieces += [(s, min(e, lo)), (max(s, hi), e)] if s < hi and lo < e else [(s, e)]
+            ranges = [(s, e) for s, e in pieces if s < e]
+        super().free_kv_row(kv, ranges)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         owner = getattr(req, "session_id", None)
+        kept = self._kept.pop(id(getattr(req, "kv", None)), None)
+        tail = kept[1] if kept is not None else None
+        if owner in self._offers and self._offers[owner] == getattr(req, "rid", None):
+            del self._offers[owner]
         if not owner or not checkpointed or req.last_node is None or _aborted(req):
+            if tail is not None:
+                self.token_to_kv_pool_allocator.free(tail.page)
             return
         intent = intent_of(getattr(req, "kv_hints", None))
         if intent.hold:
             # last_node is the checkpoint's tail, still in the tree: the request's
             # lock was dropped a moment ago, on this thread, with nothing between.
-            self.set_chain(owner, req.last_node)
+            self.set_chain(owner, req.last_node, tail)
         else:
             self.release_chain(owner)
 
+    def finish(self, handle, outcome) -> None:
+        super().finish(handle, outcome)
+        rid = getattr(handle, "rid", None)
+        for owner in [o for o, r in self._offers.items() if r == rid]:
+            del self._offers[owner]
+
+    def protected_size(self):
+        # Private pages are neither free nor evictable: SGLang's idle check
+        # (available + evictable + protected == total) counts them here.
+        return super().protected_size() + self.private_tokens()
+
     def reset(self):
-        # /flush_cache drops every node: the chains go with them.
+        # /flush_cache drops every node: the chains and private pages go with
+        # them (the allocator is cleared right after).
         super().reset()
-        if hasattr(self, "chains"):
-            self.chains.clear()
+        for name in ("chains", "tails", "_offers", "_kept"):
+            if hasattr(self, name):
+                getattr(self, name).clear()
 
     # ----- control commands (run on the scheduler thread, between batches) ---
 
@@ -90,6 +169,7 @@ class SchedulerSessionCache(SessionRadixCache):
             "available": self.token_to_kv_pool_allocator.available_size(),
             "evictable": self.evictable_size(), "protected": self.protected_size(),
             "chains": {owner: self.chain_tokens(owner) for owner in self.chains},
+            "private": self.private_tokens(),
             "running": _running(scheduler),
         }
 
@@ -109,10 +189,11 @@ class SchedulerSessionCache(SessionRadixCache):
         `tokens` (a turn's fork point): the branch past it is no longer held."""
         owner = _owner(args)
         self._check_expected(owner, args)
-        key = _key(args)
-        node = self.match_prefix(MatchPrefixParams(key=key)).last_device_node
-        self.set_chain(owner, node)
-        return {"tokens": self.chain_tokens(owner)}
+        self._offers.pop(owner, None)
+        free_branch = args.get("free_branch", False)
+        if not isinstance(free_branch, bool):
+            raise BadCommand("free_branch must be a boolean")
+        return {"tokens": self.hold_prefix(owner, _key(args), free_branch=free_branch)}
 
     def _cmd_release(self, args: dict, scheduler: Any) -> dict:
         owner = _owner(args)

@@ -77,10 +77,11 @@ class Backend(ABC):
         return [self.probe(namespace, p) for p in prompts]
 
     @abstractmethod
-    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
-        """Move `owner`'s chain to the longest cached page-aligned prefix of
-        `tokens` (a turn's fork point); the branch past it is no longer held.
-        Returns the chain's new length."""
+    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
+        """Move `owner`'s chain to `tokens` (a turn's fork point): the cached
+        pages, plus the fork's partial page copied where the backend can. The
+        branch past it is no longer held; with `free_branch` it is freed at once
+        where no other chain or request holds it. Returns the chain's new length."""
 
     @abstractmethod
     def release(self, owner: str) -> None:

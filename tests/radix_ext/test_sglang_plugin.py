@@ -181,12 +181,20 @@ def test_finished_request_moves_the_chain_and_control_reads_it(served_cache):
     assert client.call("probe_many", prompts=[list(range(1, 11)), [1, 2, 3, 4, 60]]) == [
         {"logical_len": 10, "device_len": 8}, {"logical_len": 4, "device_len": 4}]
     assert client.call("check") == {"checked": "full", "chains": 2}
-    # The turn closes: the chain moves back to the fork point, the branch is unheld.
-    assert client.call("hold_prefix", owner="a", tokens=list(range(1, 11))) == {"tokens": 8}
-    assert client.call("pools")["evictable"] == 4
+    # The turn closes: the chain moves back to the fork point (its partial page
+    # copied into a private one), the branch is unheld.
+    assert client.call("hold_prefix", owner="a", tokens=list(range(1, 11))) == {"tokens": 10}
+    got = client.call("pools")
+    assert got["evictable"] == 4 and got["private"] == 4
     assert client.call("release", owner="b") == {"released": True}
     assert client.call("release", owner="b") == {"released": False}
-    assert client.call("pools")["chains"] == {"a": 8}
+    assert client.call("pools")["chains"] == {"a": 10}
+    client.call("check")
+    # A dropping policy frees the branch past the fork at once.
+    _finish(cache, pools, lock, "c", list(range(1, 13)) + [70, 71, 72, 73])
+    assert client.call("hold_prefix", owner="c", tokens=list(range(1, 11)), free_branch=True) == {"tokens": 10}
+    got = client.call("pools")
+    assert got["evictable"] == 4 and got["private"] == 8  # [9..12] still cached (a's old branch, LRU)
     client.call("check")
 
 

@@ -170,17 +170,22 @@ def test_tool_chain_recomputes_nothing_under_drop(rt):
     rt.check_integrity()
 
 
-def test_page_alignment(rt):
+def test_fork_inside_a_page_is_copied_not_recomputed(rt):
+    """At page size 16 the fork falls inside a page: its valid head is copied
+    into the chain's private page, so the next turn reuses the fork exactly; a
+    conversation with the same prompt reuses whole pages only."""
     paged = Runtime(RuntimeConfig(model="tiny", page_size=16, pool_tokens=32768, max_context=8192), background=False)
     try:
         cid = paged.create_conversation(system=SYSTEM, policy="drop", materialize="never")
         paged.send_message(cid, words(U), forced={"reasoning": words(R), "content": words(A)})
+        assert FORK % 16 and paged.engine.tree.chain_tokens(cid) == FORK
         second = paged.send_message(cid, words(U), max_tokens=1)
-        fork = FORK
         acc = second.accounting
-        assert acc.logical_reusable_tokens == fork
-        assert acc.cached_input_tokens == fork // 16 * 16
-        assert acc.alignment_loss_tokens == fork - fork // 16 * 16
+        assert acc.logical_reusable_tokens == acc.cached_input_tokens == FORK
+        assert acc.alignment_loss_tokens == 0
+        other = paged.create_conversation(system=SYSTEM, policy="drop", materialize="never")
+        acc = paged.send_message(other, words(U), max_tokens=1).accounting
+        assert acc.cached_input_tokens == (acc.prompt_tokens - 1) // 16 * 16
         paged.check_integrity()
     finally:
         paged.close()

@@ -63,36 +63,39 @@ def test_forced_multi_turn_exact_accounting(rt):
     # bos + 5 system + <User> Hello <Assistant> + <think> = 10; + 12 forced = 22 computed.
     assert (a.prompt_tokens, a.cached_input_tokens, a.uncached_prefill_tokens, a.output_tokens) == (10, 0, 10, 12)
     assert (a.recomputed_history_tokens, a.logical_reusable_tokens, a.attention_work) == (0, 0, 55)
-    assert a.kv_device_bytes == 16 * TINY_BYTES_PER_TOKEN == 65536
+    # The chain holds all 22: one full page in the tree, 6 in its private page.
+    assert a.kv_device_bytes == 22 * TINY_BYTES_PER_TOKEN == 90112
     assert len(rt.get(cid).chain_tokens) == 22
-    assert rt.engine.tree.chain_tokens(cid) == 16
+    assert rt.engine.tree.chain_tokens(cid) == 22 and rt.engine.tree.private_tokens() == PAGE
 
     s2 = rt.send_message(cid, "Hello there", forced=FORCED)
     a = s2.accounting
-    # 22 + <User> Hello there <Assistant> + <think> = 27; 22 computed -> 16 cached.
-    assert (a.prompt_tokens, a.cached_input_tokens, a.uncached_prefill_tokens) == (27, 16, 11)
-    assert (a.logical_reusable_tokens, a.alignment_loss_tokens) == (16, 0)
-    assert a.recomputed_history_tokens == 22 - 16  # the history is the 22 computed tokens
-    assert a.kv_device_bytes == 32 * TINY_BYTES_PER_TOKEN
-    assert a.attention_work == attention_work(11, 16) == 242
+    # 22 + <User> Hello there <Assistant> + <think> = 27; all 22 computed are
+    # reused (16 from the tree, 6 from the chain's private page).
+    assert (a.prompt_tokens, a.cached_input_tokens, a.uncached_prefill_tokens) == (27, 22, 5)
+    assert (a.logical_reusable_tokens, a.alignment_loss_tokens) == (22, 0)
+    assert a.recomputed_history_tokens == 0  # the history is the 22 computed tokens
+    assert a.kv_device_bytes == 39 * TINY_BYTES_PER_TOKEN
+    assert a.attention_work == attention_work(5, 22) == 125
     assert (s2.reasoning, s2.content, s2.turn) == ("Think about it.", "The answer is 42.", 1)
 
     s3 = rt.send_message(cid, "Hi", forced=FORCED)
     a = s3.accounting
-    # 39 + <User> Hi <Assistant> + <think> = 43; 39 computed -> 32 cached.
-    assert (a.prompt_tokens, a.cached_input_tokens, a.uncached_prefill_tokens) == (43, 32, 11)
-    assert a.recomputed_history_tokens == 39 - 32
-    assert len(rt.get(cid).chain_tokens) == 55 and rt.engine.tree.chain_tokens(cid) == 48
+    # 39 + <User> Hi <Assistant> + <think> = 43; all 39 computed are reused.
+    assert (a.prompt_tokens, a.cached_input_tokens, a.uncached_prefill_tokens) == (43, 39, 4)
+    assert a.recomputed_history_tokens == 0
+    assert len(rt.get(cid).chain_tokens) == 55 and rt.engine.tree.chain_tokens(cid) == 55
 
     d = rt.describe(cid)
-    assert (d["chain"]["sequence_tokens"], d["chain"]["cached_tokens"]) == (55, 48)
-    assert d["chain"]["kv_device_bytes"] == 48 * TINY_BYTES_PER_TOKEN
+    assert (d["chain"]["sequence_tokens"], d["chain"]["cached_tokens"]) == (55, 55)
+    assert d["chain"]["kv_device_bytes"] == 55 * TINY_BYTES_PER_TOKEN
     assert [(h["role"], h["content"], h["reasoning"]) for h in d["history"]] == [
         ("user", "Hello", ""), ("assistant", "The answer is 42.", "Think about it."),
         ("user", "Hello there", ""), ("assistant", "The answer is 42.", "Think about it."),
         ("user", "Hi", ""), ("assistant", "The answer is 42.", "Think about it."),
     ]
     mine = rt.tree_snapshot(cid)
+    # The snapshot lists tree nodes: the 7 private tokens are not a node.
     assert sum(n.tokens for n in mine) == 48 and all(cid in n.owners for n in mine)
 
 
@@ -104,7 +107,7 @@ def test_greedy_multi_turn_reuses_the_computed_sequence(rt):
     assert s1.accounting.prompt_tokens == len(prompt1)
     assert len(s1.output_ids) == 8 and s1.finish_reason == "length"
     assert seq1 == prompt1 + s1.output_ids[:-1]  # the last sampled token was never fed
-    assert rt.engine.tree.chain_tokens(cid) == len(seq1) // PAGE * PAGE
+    assert rt.engine.tree.chain_tokens(cid) == len(seq1)  # the partial page stays private
 
     s2 = rt.send_message(cid, "Now tell me more.", max_tokens=4)
     a = s2.accounting
@@ -112,8 +115,8 @@ def test_greedy_multi_turn_reuses_the_computed_sequence(rt):
     prompt2 = seq2[: a.prompt_tokens]
     assert seq2 == prompt2 + s2.output_ids[:-1]
     assert prompt2[: len(seq1)] == seq1  # segment-wise rendering: a strict extension
-    expected = len(seq1) // PAGE * PAGE
-    assert expected > 0
+    expected = len(seq1)  # its own continuation: the private partial page too
+    assert expected % PAGE
     assert a.cached_input_tokens == expected
     assert a.uncached_prefill_tokens == len(prompt2) - expected
 
@@ -230,7 +233,7 @@ def test_delete_conversation_releases_the_chain(rt):
     rt.send_message(cid, "Hello", forced=FORCED)
     rt.send_message(cid, "Hello there", forced={"content": "The answer is 42."})
     tree = rt.engine.tree
-    assert tree.chain_tokens(cid) == 32
+    assert tree.chain_tokens(cid) == 39  # 32 in the tree, 7 in the chain's private page
     mine = rt.tree_snapshot(cid)
     assert sum(n.tokens for n in mine) == 32
     assert all(n.lock_count == 1 and n.owners == (cid,) for n in mine)

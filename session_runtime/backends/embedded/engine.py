@@ -29,13 +29,16 @@ from session_runtime.sampling import Sampler, token_logprob
 
 
 class _SlotBuffer:
-    """Slots a running step owns: the reused prefix plus pages it allocates."""
+    """Slots a running step uses: the reused prefix (the tree's pages, then the
+    head of the chain's private page if the step took it) plus pages it allocates."""
 
-    def __init__(self, engine: "Engine", node, prefix: torch.Tensor):
+    def __init__(self, engine: "Engine", node, prefix: torch.Tensor, tail=None):
         self.engine = engine
         self.node = node  # the matched prefix's last node, locked for the step
-        self.prefix_len = len(prefix)
-        self.slots = prefix
+        self.page_start = len(prefix)  # first position of the step's own pages
+        self.tail = tail  # the private page taken from the chain, or None
+        self.prefix_len = len(prefix) + (len(tail.tokens) if tail is not None else 0)  # reused
+        self.slots = prefix if tail is None else torch.cat((prefix, tail.page))
         self.committed = False  # the tree owns the slots now: a late error must not free them
 
     def ensure(self, total: int) -> None:
@@ -46,8 +49,12 @@ class _SlotBuffer:
         new = self.engine.alloc(missing)
         self.slots = torch.cat((self.slots, new))
 
-    def owned_tensor(self) -> torch.Tensor:
-        return self.slots[self.prefix_len :]
+    def release(self, owner: str) -> None:
+        """The step failed: free the pages it allocated, give the private page back."""
+        first = self.page_start + (self.engine.page_size if self.tail is not None else 0)
+        self.engine.pools.allocator.free(self.slots[first:])
+        if self.tail is not None:
+            self.engine.tree.return_tail(owner, self.node, self.tail)
 
 
 class Engine(HostTierOps, Backend):
@@ -165,15 +172,17 @@ class Engine(HostTierOps, Backend):
         probe = self.tree.probe(key[: n - 1])
         # The last prompt token is always computed: its logits start the output.
         node, prefix_slots = self.tree.match_and_lock(key[: n - 1])
-        m = len(prefix_slots)
-        buf = _SlotBuffer(self, node, prefix_slots)
+        # The conversation's own partial last page continues the match exactly.
+        tail = self.tree.take_tail(req.owner, node, key, n - 1)
+        buf = _SlotBuffer(self, node, prefix_slots, tail)
+        m = buf.prefix_len
         row = None
         try:
             row = self._alloc_row()
-            result = self._run(req, prompt, m, buf, row, probe.logical_len, t0, reloaded)
+            result = self._run(req, prompt, m, buf, row, max(probe.logical_len, m), t0, reloaded)
         except BaseException:
             if not buf.committed:
-                self.pools.allocator.free(buf.owned_tensor())
+                buf.release(req.owner)
                 self.tree.dec_lock_ref(node)
             raise
         finally:
@@ -305,7 +314,8 @@ class Engine(HostTierOps, Backend):
             attention_work=attention_work(n - m, m),
         )
         cached_upto = len(computed) if req.cache_output else n
-        assert chain_len == cached_upto // ps * ps, "chain must hold the aligned sequence"
+        assert chain_len == (cached_upto if req.hold_chain else cached_upto // ps * ps), (
+            "the chain must hold the sequence")
         total_s = time.perf_counter() - t0
         return StepResult(
             output=output,
@@ -318,9 +328,10 @@ class Engine(HostTierOps, Backend):
         )
 
     def _commit(self, req: StepRequest, computed: list[int], buf: _SlotBuffer) -> int:
-        """Insert the computed sequence (or only the prompt), free duplicates and
-        the partial tail page, and move the owner's chain lock. Returns the
-        number of tokens inserted (page aligned)."""
+        """Insert the computed sequence (or only the prompt), free duplicates, keep
+        the partial last page as the chain's private page (or free it) and move
+        the owner's chain lock. Returns the tokens the chain (or, for a step that
+        holds none, the tree) now has for this sequence."""
         ps = self.config.page_size
         cached_upto = len(computed) if req.cache_output else len(req.prompt)
         aligned = cached_upto // ps * ps
@@ -328,28 +339,32 @@ class Engine(HostTierOps, Backend):
         slots = buf.slots
         node, prefix_len = self.tree.insert_sequence(key, slots[:aligned])
         allocator = self.pools.allocator
-        m = buf.prefix_len
-        # Slots [m, prefix_len) duplicate KV the tree already had; the tail past
-        # the last full page is not cached (page granularity) and goes back too.
-        if prefix_len > m:
-            allocator.free(slots[m:prefix_len])
-        allocator.free(slots[max(aligned, m) :])
+        start = buf.page_start  # page aligned, <= aligned
+        # Pages [start, prefix_len) duplicate KV the tree already had.
+        if prefix_len > start:
+            allocator.free(slots[start:prefix_len])
+        tail = None
+        if req.hold_chain and cached_upto > aligned:
+            tail = self.tree.make_tail(computed[aligned:cached_upto], slots[aligned : aligned + ps])
+        allocator.free(slots[aligned + (ps if tail is not None else 0) :])
         if req.hold_chain:
-            self.tree.set_chain(req.owner, node)
+            self.tree.set_chain(req.owner, node, tail)
         else:
             self.tree.release_chain(req.owner)
         self.host.forget_evicted(req.owner)  # recomputed, if it had lost its tail
         # Drop the step's own lock on its matched prefix (taken in match_and_lock).
         self.tree.dec_lock_ref(buf.node)
         buf.committed = True
-        return aligned
+        return aligned + (len(tail.tokens) if tail is not None else 0)
 
-    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
-        """Move `owner`'s chain to the longest cached page-aligned prefix of
-        `tokens` (the fork point after a turn drops its reasoning). Whatever
-        the old chain held beyond it becomes evictable. Returns its length."""
+    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
+        """Move `owner`'s chain to `tokens` (the fork point after a turn drops its
+        reasoning): the cached pages, plus the fork's partial page copied.
+        Whatever the old chain held beyond becomes evictable, or with
+        `free_branch` is freed at once where nothing else holds it. Returns the
+        chain's length."""
         with self.lock:
-            return self.tree.hold_prefix(owner, namespace.key(list(tokens)))
+            return self.tree.hold_prefix(owner, namespace.key(list(tokens)), free_branch)
 
     def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
         """What a step with this prompt would reuse, without changing the tree.
@@ -400,6 +415,7 @@ class Engine(HostTierOps, Backend):
                 "pool_free_tokens": self.pools.allocator.available_size(),
                 "tree_locked_tokens": self.tree.protected_size(),
                 "tree_evictable_tokens": self.tree.evictable_size(),
+                "tree_private_tokens": self.tree.private_tokens(),
                 "host_capacity_tokens": self.host.capacity_tokens,
                 "host_used_tokens": self.host.used_tokens,
                 **{f"offload_{k}": v for k, v in dataclasses.asdict(self.host.stats).items()},

@@ -78,7 +78,7 @@ class HostTierOps:
         copy frees the slots and keeps the entry."""
         t = time.perf_counter()
         try:
-            self.mover.to_device(entry.kv, slots)
+            self.mover.to_device(entry.kv, slots[: len(entry.kv)])  # slots are whole pages
         except BaseException:
             with self.lock:
                 self.pools.allocator.free(slots)

@@ -104,11 +104,13 @@ class SGLangBackend(Backend):
             logprobs = [e[0] for e in meta.get("output_token_logprobs") or []] if req.sampling.logprobs else None
         cached = min(int(meta.get("cached_tokens") or 0), n)
         ps = self.page_size
-        inserted = (len(computed) if req.cache_output else n) // ps * ps  # as the embedded engine reports it
+        upto = len(computed) if req.cache_output else n
+        # The chain keeps its partial last page privately; the tree alone, whole pages.
+        inserted = upto if req.hold_chain else upto // ps * ps
         total_ms = (end_t - t0) * 1e3
         accounting = StepAccounting(
             prompt_tokens=n, cached_input_tokens=cached, host_loaded_tokens=0,
-            uncached_prefill_tokens=n - cached, logical_reusable_tokens=logical,
+            uncached_prefill_tokens=n - cached, logical_reusable_tokens=max(logical, cached),
             alignment_loss_tokens=max(0, logical - cached),
             recomputed_history_tokens=max(0, min(req.history_len, n) - cached),
             active_context_length=len(computed), output_tokens=len(output),
@@ -264,8 +266,9 @@ class SGLangBackend(Backend):
         got = self._call("probe_many", prompts=[list(p)[: max(len(p) - 1, 0)] for p in prompts], **_ns(namespace))
         return [ProbeResult(logical_len=g["logical_len"], device_len=g["device_len"]) for g in got]
 
-    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int]) -> int:
-        return self._call("hold_prefix", owner=owner, tokens=list(tokens), **_ns(namespace))["tokens"]
+    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
+        return self._call("hold_prefix", owner=owner, tokens=list(tokens), free_branch=free_branch,
+                          **_ns(namespace))["tokens"]
 
     def release(self, owner: str) -> None:
         try:
