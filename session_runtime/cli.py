@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(pinned on cuda); default 4x --pool-tokens, at most a quarter of host memory")
     serve.add_argument("--offload", default=_DEFAULTS.offload, choices=["never", "always", "ttl", "pressure"],
                        help="default tool-wait offload policy of new conversations")
+    serve.add_argument("--idle-ttl-s", type=float, default=_DEFAULTS.idle_ttl_s,
+                       help="a closed conversation idle this long leaves the device (to the host tier, or "
+                            "released when it is full); under pressure idle ones go first; 0: never")
     serve.add_argument("--max-context", type=int, default=_DEFAULTS.max_context)
     serve.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of random preset weights")
     serve.add_argument("--policy", default=_DEFAULTS.policy,
@@ -66,7 +69,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
         policy=args.policy, template=args.template, data_dir=args.data_dir or None,
-        host_pool_tokens=args.host_pool_tokens, offload=args.offload,
+        host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend=args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
         sglang_max_running=args.sglang_max_running,
     )

@@ -95,6 +95,9 @@ class RuntimeConfig:
     # when a model folder's tokenizer is Qwen's, deepseek otherwise).
     template: str = "auto"
     offload: str = "pressure"  # default tool-wait offload policy: never, always, ttl, pressure
+    # A closed conversation idle this long is demoted to the host tier (or, with
+    # the host full, released to LRU); under pressure idle chains go first. 0: never.
+    idle_ttl_s: float = 300.0
     data_dir: Optional[str] = None  # SQLite store of conversations; None keeps them in memory
     model_id: str = ""  # namespace override; defaults to the model name
     # "embedded" (our engine, in process) or "sglang" (SGLang's own server,
@@ -119,6 +122,8 @@ class RuntimeConfig:
             raise ValueError(f"backend must be embedded or sglang, got {self.backend!r}")
         if self.sglang_url is not None and self.backend != "sglang":
             raise ValueError("sglang_url needs backend 'sglang'")
+        if self.idle_ttl_s < 0:
+            raise ValueError(f"idle_ttl_s must be >= 0, got {self.idle_ttl_s}")
         if self.host_pool_tokens is not None and self.host_pool_tokens < 0:
             raise ValueError(f"host_pool_tokens must be >= 0, got {self.host_pool_tokens}")
 

@@ -7,6 +7,12 @@ KV may move to the host tier and come back before the next step's prefill.
 - pressure: demote when free device pages fall below `min_free_fraction`, or an
   allocation cannot be met, least-recently-waiting conversations first;
 - discard (baseline, InferCept's "discard"): free the KV at once, recompute on resume.
+
+Idle retirement: a conversation whose turn closed is idle until its next
+step. Idle longer than `idle_ttl_s`, its chain is demoted to the host tier (or,
+with the host full, released to LRU); when an allocation cannot be met, idle
+chains leave the device first (oldest first), before waiting conversations.
+Idle conversations share the waiting table, with settings None.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ class NoOffload:
     def wait_started(self, owner: str, settings: OffloadSettings) -> None:
         pass
 
+    def idle_started(self, owner: str) -> None:
+        pass
+
     def wait_ended(self, owner: str) -> None:
         return None
 
@@ -58,9 +67,12 @@ class OffloadManager:
     """Tracks conversations waiting for tools and demotes them by policy, on a
     worker thread (or on `run_due()` when built with background=False)."""
 
-    def __init__(self, engine: Engine, background: bool = True, poll_s: float = 0.05):
+    def __init__(self, engine: Engine, background: bool = True, poll_s: float = 0.05, idle_ttl_s: float = 0.0):
         self.engine = engine
-        self.waiting: dict[str, tuple[float, OffloadSettings]] = {}  # owner -> (since, settings)
+        # owner -> (since, settings); settings None: idle after a closed turn
+        self.waiting: dict[str, tuple[float, Optional[OffloadSettings]]] = {}
+        self.idle_ttl_s = idle_ttl_s
+        self.stats = {"idle_demoted": 0, "idle_released": 0}
         self.cond = threading.Condition()
         self.poll_s = poll_s
         self._stop = False
@@ -77,7 +89,13 @@ class OffloadManager:
             self.waiting[owner] = (time.monotonic(), settings)
             self.cond.notify_all()
 
-    def wait_ended(self, owner: str) -> Optional[tuple[float, OffloadSettings]]:
+    def idle_started(self, owner: str) -> None:
+        """The owner's turn closed with its chain held: idle until its next step."""
+        with self.cond:
+            self.waiting[owner] = (time.monotonic(), None)
+            self.cond.notify_all()
+
+    def wait_ended(self, owner: str) -> Optional[tuple[float, Optional[OffloadSettings]]]:
         """Stop tracking the owner's wait; returns it, for `wait_resumed`."""
         with self.cond:
             return self.waiting.pop(owner, None)
@@ -110,9 +128,11 @@ class OffloadManager:
         short = self.free_fraction()
         with self.cond:
             order = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
+        idle_due = lambda since: self.idle_ttl_s > 0 and now - since >= self.idle_ttl_s  # noqa: E731
         return [owner for owner, (since, s) in order
-                if s.mode in ("always", "discard") or (s.mode == "ttl" and now - since >= s.ttl_s)
-                or (s.mode == "pressure" and short < s.min_free_fraction)]
+                if (s is None and idle_due(since)) or (s is not None and (
+                    s.mode in ("always", "discard") or (s.mode == "ttl" and now - since >= s.ttl_s)
+                    or (s.mode == "pressure" and short < s.min_free_fraction)))]
 
     def run_due(self, now: Optional[float] = None) -> int:
         """Demote every conversation due now (pressure ones only until the pool
@@ -122,6 +142,9 @@ class OffloadManager:
             with self.cond:
                 entry = self.waiting.get(owner)
             if entry is None:
+                continue
+            if entry[1] is None:
+                total += self._retire(owner, self._guard(owner, entry[0]), locked=False)
                 continue
             mode = entry[1].mode
             if mode == "pressure" and self.free_fraction() >= entry[1].min_free_fraction:
@@ -139,18 +162,38 @@ class OffloadManager:
         return total
 
     def _on_pressure(self, missing: int) -> None:
-        # Inside an allocation (engine lock held): demote waiting conversations,
-        # oldest wait first, until the missing tokens are free.
+        # Inside an allocation (engine lock held): idle chains leave the device
+        # first, then waiting conversations are demoted, oldest first, until the
+        # missing tokens are free or reclaimable.
         with self.cond:
-            order = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
+            order = sorted(self.waiting.items(), key=lambda kv: (kv[1][1] is not None, kv[1][0]))
         freed = 0
-        for owner, (since, _) in order:
+        for owner, (since, settings) in order:
             if freed >= missing:
                 break
+            if owner == self.engine.stepping:
+                continue  # the chain this allocation extends
+            if settings is None:
+                freed += self._retire(owner, self._guard(owner, since), locked=True)
+                continue
             moved = self.engine.demote_locked(owner, self._guard(owner, since))
             if moved:
                 freed += moved
                 self.wait_ended(owner)
+
+    def _retire(self, owner: str, guard: Callable[[], bool], locked: bool) -> int:
+        """An idle chain leaves the device: demoted to the host tier when it has
+        room, else released (its pages become evictable; the next turn rebuilds
+        what LRU took). Returns the tokens that left the device or became
+        evictable."""
+        moved = (self.engine.demote_locked if locked else self.engine.demote)(owner, guard)
+        if moved:
+            self.stats["idle_demoted"] += 1
+        else:
+            moved = self.engine.release_idle(owner, guard)
+            self.stats["idle_released"] += bool(moved)
+        self.wait_ended(owner)
+        return moved
 
     def _guard(self, owner: str, since: float) -> Callable[[], bool]:
         """True while the same tool wait of `owner` is still on: a step that

@@ -52,7 +52,7 @@ class Runtime(RuntimeInspection):
         self.engine = self.backend if self.backend.name == "embedded" else None
         self.materializer = Materializer(self.backend, background=background)
         self.materializer.on_done = self._materialized
-        self.offload = (OffloadManager(self.backend, background=background)
+        self.offload = (OffloadManager(self.backend, background=background, idle_ttl_s=self.config.idle_ttl_s)
                         if self.backend.supports_offload else NoOffload())
         if not self.backend.supports_offload:
             self.config = self.config.replace(offload="never")
@@ -404,6 +404,8 @@ class Runtime(RuntimeInspection):
         else:
             conv.protocol = None
             acc = self._close_turn(conv, tpl, ns, record, prompt + list(result.output), acc, parsed)
+            if conv.policy.holds_chain:
+                self.offload.idle_started(conv.id)
             finish = result.finish_reason
         record.steps.append(acc)
         return Step(

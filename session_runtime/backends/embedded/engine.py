@@ -85,6 +85,7 @@ class Engine(HostTierOps, Backend):
         # Called with the missing token count when even eviction cannot make
         # room: the offload manager demotes waiting conversations there.
         self.on_pressure: Optional[Callable[[int], None]] = None
+        self.stepping: Optional[str] = None  # owner of the step running now
         self._reloaded: dict[str, tuple[int, int]] = {}  # owner -> (anchor, tokens) reloaded for its next step
         self.device = torch.device(config.device)
 
@@ -161,7 +162,11 @@ class Engine(HostTierOps, Backend):
         ):
             raise InvalidRequest(f"token id out of the model's vocabulary (0..{vocab - 1})")
         with self.lock:
-            return self._step_locked(req, reloaded)
+            self.stepping = req.owner  # pressure must not move the chain this step extends
+            try:
+                return self._step_locked(req, reloaded)
+            finally:
+                self.stepping = None
 
     def _step_locked(self, req: StepRequest, reloaded: Optional[tuple[int, int]] = None) -> StepResult:
         t0 = time.perf_counter()

@@ -165,6 +165,20 @@ class HostTierOps:
             self.host.record_evicted(tail)
             return len(plan.tokens)
 
+    def release_idle(self, owner: str, still_idle: Callable[[], bool] = lambda: True) -> int:
+        """Unlock an idle owner's chain that could not be demoted (the host is
+        full, or nothing of it is exclusive): its pages become evictable, and its
+        next step reuses what LRU has not taken. A chain already on the host is
+        left as it is. Returns the tokens it held on the device."""
+        with self.lock:
+            entry = self.host.peek(owner)
+            if not still_idle() or owner not in self.tree.chains or (entry is not None and not entry.on_device):
+                return 0
+            held = self.tree.chain_tokens(owner)
+            self.tree.release_chain(owner)
+            self.host.take(owner)
+            return held
+
     def _plan(self, owner: str) -> Optional[_Demotion]:
         """Plan the owner's demotion and reserve its host range (which may drop
         other owners' host copies for room). None when there is nothing to do."""
