@@ -1,0 +1,101 @@
+"""Zero-waste KV inside SGLang's scheduler: a conversation's private partial
+last page is reused by its next request (0 tokens recomputed at page 16), a
+fork inside a page is copied, the generated branch is freed at the fork, and
+the canonical branch (a low-priority prefill-only request) is reused. Each
+path's logprobs equal transformers' teacher-forced ones in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radix_ext.tree import Namespace
+from session_runtime.backends.base import StepRequest
+from session_runtime.sampling import SamplingParams
+from tests.backends.test_sglang_oracle import _forced_logprobs, hf  # noqa: F401  (module fixture)
+
+PAGE = 16
+
+
+def _step(backend, owner, prompt, ns, forced):
+    return backend.step(StepRequest(owner=owner, prompt=prompt, namespace=ns, forced=forced,
+                                    sampling=SamplingParams(max_tokens=0, logprobs=True)))
+
+
+def _tokens(seed: int, *sizes: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1000, 120000, (n,), generator=gen).tolist() for n in sizes]
+
+
+def test_own_continuation_reuses_the_private_page(sglang_runtime, hf):  # noqa: F811
+    backend = sglang_runtime.backend
+    ns = Namespace(extra_key="zw-private")
+    p, r, u, out = _tokens(11, 35, 6, 5, 4)
+    try:
+        _step(backend, "zw-a", p, ns, r)
+        assert backend.chain_tokens("zw-a") == 41  # 2 pages in the tree, 9 tokens private
+        assert backend.pools()["private"] >= PAGE
+        backend.check_integrity()
+        second = _step(backend, "zw-a", p + r + u, ns, out)
+        acc = second.accounting
+        assert (acc.cached_input_tokens, acc.uncached_prefill_tokens, acc.alignment_loss_tokens) == (41, 5, 0)
+        assert second.logprobs == pytest.approx(_forced_logprobs(hf, p + r + u, out), abs=2e-3)
+        # Another conversation with the same 46-token prompt reuses whole pages
+        # only (the last prompt token is always computed: 2 pages of 45).
+        other = _step(backend, "zw-b", p + r + u, ns, out)
+        assert other.accounting.cached_input_tokens == 32
+    finally:
+        backend.release("zw-a")
+        backend.release("zw-b")
+    sglang_runtime.check_integrity()
+
+
+def test_fork_copy_frees_the_branch_and_is_exact(sglang_runtime, hf):  # noqa: F811
+    backend = sglang_runtime.backend
+    ns = Namespace(extra_key="zw-fork")
+    p, r, a, u, out = _tokens(12, 37, 20, 9, 4, 3)
+    try:
+        _step(backend, "zw-f", p, ns, r + a)
+        assert backend.lock_prefix("zw-f", ns, p, free_branch=True) == 37  # 32 in the tree + 5 copied
+        # Nothing past the fork's pages is cached any more: the branch was freed.
+        assert backend.probe(ns, p + r + a + [1]).device_len == 32
+        backend.check_integrity()
+        third = _step(backend, "zw-f", p + a + u, ns, out)
+        assert third.accounting.cached_input_tokens == 37
+        assert third.logprobs == pytest.approx(_forced_logprobs(hf, p + a + u, out), abs=2e-3)
+    finally:
+        backend.release("zw-f")
+    sglang_runtime.check_integrity()
+
+
+@pytest.mark.parametrize("order", ["branch_first", "user_first"])
+def test_canonical_branch_orders(sglang_runtime, order):
+    """The canonical branch runs as a background (low priority) prefill-only
+    request. Built before the next user message, that message prefills only its
+    own tokens; a user message that comes first cancels it and prefills lazily:
+    no double work either way."""
+    rt = sglang_runtime
+    cid = rt.create_conversation(system="Canonical branch on SGLang. " * 6, policy="drop", materialize="always",
+                                 tenant=f"zw-{order}")
+    try:
+        rt.send_message(cid, "Solve it.", forced={"reasoning": "Let me think. " * 12, "content": "It is 42."})
+        turn = rt.get(cid).turns[0]
+        assert turn.materialize.startswith("scheduled")
+        assert rt.backend.chain_tokens(cid) == turn.fork_tokens  # the fork, exactly
+        before = dict(rt.materializer.stats)
+        if order == "branch_first":
+            assert rt.materializer.run_pending() == 1
+        step = rt.send_message(cid, "And then?", forced={"content": "Done."})
+        acc = step.accounting
+        new_tokens = acc.prompt_tokens - rt.get(cid).turns[0].steps[-1].active_context_length
+        if order == "branch_first":
+            assert acc.cache_state == "canonical_branch"
+            assert acc.uncached_prefill_tokens == new_tokens  # |U| plus the template's tokens
+            assert rt.materializer.stats["done"] == before["done"] + 1
+        else:
+            assert rt.materializer.stats["cancelled"] == before["cancelled"] + 1
+            assert acc.cached_input_tokens == turn.fork_tokens  # prefilled lazily from the fork
+        assert acc.cached_input_tokens + acc.uncached_prefill_tokens == acc.prompt_tokens
+    finally:
+        rt.delete_conversation(cid)
+    rt.check_integrity()
