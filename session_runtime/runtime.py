@@ -406,6 +406,7 @@ class Runtime(RuntimeInspection):
             acc = self._close_turn(conv, tpl, ns, record, prompt + list(result.output), acc, parsed)
             if conv.policy.holds_chain:
                 self.offload.idle_started(conv.id)
+                self.backend.mark_idle(conv.id, self.config.idle_ttl_s)
             finish = result.finish_reason
         record.steps.append(acc)
         return Step(

@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from radix_ext.sglang.control import BadCommand, ControlServer, StaleCommand, control_address
 from radix_ext.sglang.hints import intent_of
+from radix_ext.sglang.idle import IdleChains
 from radix_ext.tails import common_length, page_of
 from radix_ext.tree import Namespace, SessionRadixCache
 
@@ -50,6 +51,7 @@ class SchedulerSessionCache(SessionRadixCache):
         super().__init__(params)
         self._offers: dict[str, str] = {}  # owner -> rid of the request its private page is offered to
         self._kept: dict[int, tuple[int, Any]] = {}  # id(req.kv) -> (position, tail) kept at finish
+        self.idle = IdleChains()
         self.control = ControlServer(control_addr, self.handlers()) if control_addr else None
 
     # ----- per-request hooks (called by SGLang's scheduler) -------------------
@@ -60,6 +62,8 @@ class SchedulerSessionCache(SessionRadixCache):
         result = super().match_prefix(params)
         req = params.req
         owner = getattr(req, "session_id", None) if req is not None else None
+        if owner:
+            self.idle.active(owner)  # a request of its own is waiting: not idle
         if not owner or self.page_size == 1 or getattr(params.key, "is_bigram", False):
             return result
         tail, node = self.tails.get(owner), result.last_device_node
@@ -128,6 +132,11 @@ class SchedulerSessionCache(SessionRadixCache):
         else:
             self.release_chain(owner)
 
+    def release_chain(self, owner: str) -> None:
+        super().release_chain(owner)
+        if hasattr(self, "idle"):
+            self.idle.active(owner)
+
     def finish(self, handle, outcome) -> None:
         super().finish(handle, outcome)
         rid = getattr(handle, "rid", None)
@@ -153,7 +162,7 @@ class SchedulerSessionCache(SessionRadixCache):
         return {
             "ping": self._cmd_ping, "pools": self._cmd_pools, "probe": self._cmd_probe,
             "probe_many": self._cmd_probe_many,
-            "hold_prefix": self._cmd_hold_prefix, "release": self._cmd_release,
+            "hold_prefix": self._cmd_hold_prefix, "release": self._cmd_release, "idle": self._cmd_idle,
             "snapshot": self._cmd_snapshot, "check": self._cmd_check,
         }
 
@@ -170,6 +179,7 @@ class SchedulerSessionCache(SessionRadixCache):
             "evictable": self.evictable_size(), "protected": self.protected_size(),
             "chains": {owner: self.chain_tokens(owner) for owner in self.chains},
             "private": self.private_tokens(),
+            "idle": sorted(self.idle.since), "idle_stats": dict(self.idle.stats),
             "running": _running(scheduler),
         }
 
@@ -194,6 +204,17 @@ class SchedulerSessionCache(SessionRadixCache):
         if not isinstance(free_branch, bool):
             raise BadCommand("free_branch must be a boolean")
         return {"tokens": self.hold_prefix(owner, _key(args), free_branch=free_branch)}
+
+    def _cmd_idle(self, args: dict, scheduler: Any) -> dict:
+        """The owner's turn closed: its chain is idle until its next request
+        (retired after `ttl_s`, 0 = only under pressure; `relieve`)."""
+        owner = _owner(args)
+        ttl = args.get("ttl_s", 0)
+        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl < 0:
+            raise BadCommand("ttl_s must be a number >= 0")
+        if owner in self.chains:
+            self.idle.mark(owner, float(ttl))
+        return {"idle": owner in self.idle.since}
 
     def _cmd_release(self, args: dict, scheduler: Any) -> dict:
         owner = _owner(args)

@@ -24,9 +24,11 @@ def register() -> None:
 
 
 def serve_control(scheduler, *args, **kwargs):
-    """BEFORE hook: answer the control channel's waiting commands, then let
-    the scheduler process its inputs as usual."""
-    control = getattr(getattr(scheduler, "tree_cache", None), "control", None)
+    """BEFORE hook: answer the control channel's waiting commands and retire
+    idle chains that are due, then let the scheduler process its inputs."""
+    cache = getattr(scheduler, "tree_cache", None)
+    control = getattr(cache, "control", None)
     if control is not None:
         control.serve(scheduler)
+        cache.idle.relieve(cache, scheduler)  # idle chains past their TTL, or in the way
     return None

@@ -83,6 +83,11 @@ class Backend(ABC):
         branch past it is no longer held; with `free_branch` it is freed at once
         where no other chain or request holds it. Returns the chain's new length."""
 
+    def mark_idle(self, owner: str, ttl_s: float) -> None:
+        """The owner's turn closed: its chain may leave the device after `ttl_s`
+        idle seconds (0: only under pressure). A backend whose runtime-side
+        offload manager tracks idle chains (the embedded engine) ignores it."""
+
     @abstractmethod
     def release(self, owner: str) -> None:
         """Forget the owner's chain (and any host copy of it)."""

@@ -268,3 +268,29 @@ def test_a_scheduler_that_does_not_answer_is_channel_down():
 
     with pytest.raises(ChannelDown, match="no answer"):
         ControlClient(_free_addr(), timeout_s=0.3).call("ping")
+
+
+def test_idle_chains_retire_after_their_ttl_and_under_pressure(served_cache):
+    """Idle chains leave the device after the TTL, or oldest first while the
+    head of the waiting queue cannot fit and nothing runs."""
+    cache, client, pools, lock = served_cache
+    for owner, base in (("old", 100), ("new", 200), ("busy", 300)):
+        _finish(cache, pools, lock, owner, list(range(base, base + 16)))
+    assert client.call("idle", owner="old", ttl_s=0) == {"idle": True}
+    assert client.call("idle", owner="new", ttl_s=0) == {"idle": True}
+    assert client.call("idle", owner="nobody", ttl_s=0) == {"idle": False}
+    with pytest.raises(BadCommand):
+        client.call("idle", owner="old", ttl_s=-1)
+    with lock:
+        free = pools.allocator.available_size()
+        head = SimpleNamespace(origin_input_ids=[1] * (free + 4 - PAGE), sampling_params=SimpleNamespace(max_new_tokens=0))
+        running = SimpleNamespace(reqs=[SimpleNamespace()])
+        busy = SimpleNamespace(waiting_queue=[head], running_batch=running)
+        assert cache.idle.relieve(cache, busy) == 0  # a running request will free pages
+        stuck = SimpleNamespace(waiting_queue=[head], running_batch=None)
+        assert cache.idle.relieve(cache, stuck) == 1  # the oldest idle chain goes, and that is enough
+        assert set(cache.chains) == {"new", "busy"} and cache.idle.stats["pressure_released"] == 1
+        cache.idle.mark("busy", ttl_s=5.0, now=0.0)
+        assert cache.idle.relieve(cache, None, now=4.0) == 0
+        assert cache.idle.relieve(cache, None, now=6.0) == 1 and set(cache.chains) == {"new"}
+    client.call("check")

@@ -270,6 +270,14 @@ class SGLangBackend(Backend):
         return self._call("hold_prefix", owner=owner, tokens=list(tokens), free_branch=free_branch,
                           **_ns(namespace))["tokens"]
 
+    def mark_idle(self, owner: str, ttl_s: float) -> None:
+        # The scheduler retires it (radix_ext/sglang/idle.py): SGLang queues
+        # what does not fit, so pressure is seen there, not here.
+        try:
+            self._call("idle", owner=owner, ttl_s=ttl_s)
+        except BackendUnavailable:
+            pass  # a server that is gone holds no chain to retire
+
     def release(self, owner: str) -> None:
         try:
             self._call("release", owner=owner)
