@@ -19,6 +19,12 @@ def words(n: int) -> str:
     return " alpha" * n
 
 
+# A tool_step's chain: its exact computed sequence, 9 tree pages (144) plus 9
+# tokens in its private partial last page, all demoted and reloaded together.
+CHAIN = 153
+PAGE = 16
+
+
 @pytest.fixture(scope="module")
 def rt():
     runtime = Runtime(RuntimeConfig(model="tiny", page_size=16, pool_tokens=4096, host_pool_tokens=2048,
@@ -51,9 +57,10 @@ def test_round_trip_is_bit_identical(rt):
     original = pool_kv(rt, slots)
     free_before = eng.pools.allocator.available_size()
     moved = rt.offload.run_due()
-    assert moved == len(slots) == 144  # the whole chain is this conversation's alone
+    assert moved == len(slots) == CHAIN  # the whole chain is this conversation's alone
     assert eng.tree.chain_tokens(cid) == 0
-    assert eng.pools.allocator.available_size() == free_before + moved
+    # The private partial page goes back whole.
+    assert eng.pools.allocator.available_size() == free_before + -(-moved // PAGE) * PAGE
     entry = eng.host.peek(cid)
     host = zip(entry.kv.k, entry.kv.v)
     for (k0, v0), (k1, v1) in zip(original, host):
@@ -64,9 +71,9 @@ def test_round_trip_is_bit_identical(rt):
     # Another tool call keeps the turn open, so the chain still starts with the reloaded KV.
     nxt = rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
                                forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
-    assert nxt.accounting.host_loaded_tokens == 144
+    assert nxt.accounting.host_loaded_tokens == CHAIN
     assert nxt.accounting.cached_input_tokens == 0
-    reloaded = pool_kv(rt, eng.tree.chain_slots(cid)[:144])
+    reloaded = pool_kv(rt, eng.tree.chain_slots(cid)[:CHAIN])
     for (k0, v0), (k1, v1) in zip(original, reloaded):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     rt.delete_conversation(cid)
@@ -76,11 +83,11 @@ def test_round_trip_is_bit_identical(rt):
 def test_logits_equal_a_conversation_that_never_left(rt):
     a, sa = tool_step(rt, "stay", offload="never")
     b, sb = tool_step(rt, "leave", offload="always")
-    assert rt.offload.run_due() == 144
+    assert rt.offload.run_due() == CHAIN
     ra = resume(rt, a, sa, logprobs=True)
     rb = resume(rt, b, sb, logprobs=True)
-    assert rb.accounting.host_loaded_tokens == 144 and ra.accounting.host_loaded_tokens == 0
-    assert ra.accounting.cached_input_tokens == 144
+    assert rb.accounting.host_loaded_tokens == CHAIN and ra.accounting.host_loaded_tokens == 0
+    assert ra.accounting.cached_input_tokens == CHAIN
     assert ra.accounting.uncached_prefill_tokens == rb.accounting.uncached_prefill_tokens
     torch.testing.assert_close(torch.tensor(rb.logprobs), torch.tensor(ra.logprobs), rtol=1e-5, atol=1e-5)
     rt.check_integrity()
@@ -91,8 +98,8 @@ def test_ttl_waits_then_demotes(rt):
     since = rt.offload.waiting[cid][0]
     assert rt.offload.due(now=since + 1.0) == []
     assert rt.offload.due(now=since + 2.5) == [cid]
-    assert rt.offload.run_due(now=since + 2.5) == 144
-    assert resume(rt, cid, step).accounting.host_loaded_tokens == 144
+    assert rt.offload.run_due(now=since + 2.5) == CHAIN
+    assert resume(rt, cid, step).accounting.host_loaded_tokens == CHAIN
     rt.check_integrity()
 
 
@@ -102,7 +109,7 @@ def test_pressure_demotes_waiting_conversations_instead_of_failing():
     try:
         waiting, step = tool_step(small, "w", offload="pressure", reasoning=300)
         held = small.engine.tree.chain_tokens(waiting)
-        assert held == 384
+        assert held == 393  # exact: 24 tree pages + 9 private tokens
         # A new conversation needs more than is free, and the waiting chain is locked.
         other = small.create_conversation(system=words(40), tenant="o", policy="drop", offload="never")
         got = small.send_message(other, words(5), forced={"reasoning": words(150), "content": words(5)})
@@ -120,13 +127,13 @@ def test_host_tier_loss_is_recomputed():
                                       max_context=2048), background=False)
     try:
         a, sa = tool_step(tiny_host, "a")
-        assert tiny_host.offload.run_due() == 144
+        assert tiny_host.offload.run_due() == CHAIN
         b, sb = tool_step(tiny_host, "b")
-        assert tiny_host.offload.run_due() == 144  # pushes a's copy out: the host holds 160
+        assert tiny_host.offload.run_due() == CHAIN  # pushes a's copy out: the host holds 160
         assert tiny_host.engine.host.peek(a) is None
-        assert tiny_host.engine.host.stats.lost_tokens == 144
+        assert tiny_host.engine.host.stats.lost_tokens == CHAIN
         lost = [(n.residency, n.tokens, n.owners) for n in tiny_host.tree_snapshot(a)]
-        assert lost == [("evicted", 144, (a,))]
+        assert lost == [("evicted", 144, (a,))]  # the tree's nodes: the private tokens are no node
         ra = resume(tiny_host, a, sa)
         assert {n.residency for n in tiny_host.tree_snapshot(a)} == {"device"}  # recomputed
         assert ra.accounting.host_loaded_tokens == 0
@@ -232,17 +239,17 @@ def test_write_through_copy_is_reused(rt):
     chain copies only the tokens added since, and still reloads bit-identically."""
     cid, step = tool_step(rt, "write-through")
     eng = rt.engine
-    assert rt.offload.run_due() == 144
+    assert rt.offload.run_due() == CHAIN
     copied = eng.host.stats.demoted_tokens
     step2 = rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
                                  forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
-    assert step2.accounting.host_loaded_tokens == 144
+    assert step2.accounting.host_loaded_tokens == CHAIN
     residency = {n.residency for n in rt.tree_snapshot(cid)}
     assert residency == {"both", "device"}
     chain = eng.tree.chain_tokens(cid)
     original = pool_kv(rt, eng.tree.chain_slots(cid))
     assert rt.offload.run_due() == chain
-    assert eng.host.stats.demoted_tokens - copied == chain - 144  # only the new pages were copied
+    assert eng.host.stats.demoted_tokens - copied == chain - CHAIN  # only the new tokens were copied
     rt.check_integrity()
     step3 = rt.send_tool_results(cid, [{"tool_call_id": step2.tool_calls[0]["id"], "content": "ok"}],
                                  forced={"tool_calls": [{"name": "f", "arguments": {"x": 3}}]})
@@ -258,8 +265,8 @@ def test_write_through_copy_is_reused(rt):
 def test_discarded_tail_shows_as_evicted_until_recomputed(rt):
     cid, step = tool_step(rt, "discarded", offload="never")
     freed = rt.engine.discard(cid)
-    assert freed == 144
-    assert [(n.residency, n.tokens) for n in rt.tree_snapshot(cid)] == [("evicted", 144)]
+    assert freed == CHAIN
+    assert [(n.residency, n.tokens) for n in rt.tree_snapshot(cid)] == [("evicted", 144)]  # nodes only
     nxt = resume(rt, cid, step)
     assert nxt.accounting.recomputed_history_tokens == step.accounting.prompt_tokens + step.accounting.output_tokens
     assert "evicted" not in {n.residency for n in rt.tree_snapshot(cid)}
@@ -273,7 +280,7 @@ def test_discarded_tail_shows_as_evicted_until_recomputed(rt):
 def test_a_failed_reload_copy_frees_its_slots_and_keeps_the_host_copy(rt):
     cid, step = tool_step(rt, "failing-copy")
     eng = rt.engine
-    assert rt.offload.run_due() == 144
+    assert rt.offload.run_due() == CHAIN
     free = eng.pools.allocator.available_size()
     original = eng.mover.to_device
 
@@ -288,14 +295,14 @@ def test_a_failed_reload_copy_frees_its_slots_and_keeps_the_host_copy(rt):
         eng.mover.to_device = original
     assert eng.pools.allocator.available_size() == free and eng.host.peek(cid) is not None
     rt.check_integrity()
-    assert resume(rt, cid, step).accounting.host_loaded_tokens == 144  # the retry reloads
+    assert resume(rt, cid, step).accounting.host_loaded_tokens == CHAIN  # the retry reloads
     rt.delete_conversation(cid)
 
 
 def test_discard_drops_a_write_through_copy_and_release_forgets_the_owner(rt):
     cid, step = tool_step(rt, "discard-both")
     eng = rt.engine
-    assert rt.offload.run_due() == 144
+    assert rt.offload.run_due() == CHAIN
     rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
                          forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
     assert eng.host.peek(cid).on_device  # write-through copy of the reloaded head
@@ -328,7 +335,10 @@ def test_offloaded_nodes_keep_their_ids_hits_and_shape(rt):
                          forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
     before = [(n.id, n.parent, n.tokens, n.depth_tokens, n.hit_count) for n in rt.tree_snapshot(cid)]
     assert len(before) == 2
-    assert rt.engine.demote(cid) == before[-1][3]
+    # The demotion moves the nodes and the private partial page past them.
+    chain = rt.engine.tree.chain_tokens(cid)
+    assert chain == before[-1][3] + chain % PAGE and chain % PAGE
+    assert rt.engine.demote(cid) == chain
     time.sleep(0.01)
     after = rt.tree_snapshot(cid)
     assert all(n.last_access_age_s >= 0.01 for n in after)  # since the demotion
@@ -346,7 +356,7 @@ def test_the_owners_own_write_through_copy_gives_way_to_its_demotion():
     try:
         a, sa = tool_step(small, "a")
         x, _ = tool_step(small, "x")
-        assert small.offload.run_due() == 288
+        assert small.offload.run_due() == 2 * CHAIN
         small.send_tool_results(a, [{"tool_call_id": sa.tool_calls[0]["id"], "content": words(800)}],
                                 forced={"tool_calls": [{"name": "g", "arguments": {}}]})
         chain = small.engine.tree.chain_tokens(a)

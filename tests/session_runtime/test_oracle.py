@@ -70,7 +70,7 @@ def test_cold_prefill_matches_hf(oracle_pairs, arch, page_size):
     assert res.finish_reason == "length"
     # The one sampled token was never fed: the computed sequence is the prompt.
     assert res.sequence == ids
-    assert engine.tree.chain_tokens("a") == (37 if page_size == 1 else 32)
+    assert engine.tree.chain_tokens("a") == 37  # the partial last page stays private
     assert res.accounting.kv_device_bytes == engine.tree.chain_tokens("a") * 2 * 2 * 2 * 32 * 4
     engine.check_integrity()
 
@@ -80,14 +80,16 @@ def test_cold_prefill_matches_hf(oracle_pairs, arch, page_size):
 def test_prefix_reuse_computes_only_the_suffix(oracle_pairs, arch, page_size):
     hf, dec = oracle_pairs[arch]
     engine = make_engine(dec, page_size)
-    first = rand_ids(37, seed=2)  # ends mid-page for page 16: 32 tokens cached
+    # Ends mid-page for page 16: 32 tokens in the tree, the last 5 in the chain's
+    # private page (a whole page of the pool), which its own next step reuses.
+    first = rand_ids(37, seed=2)
     step(engine, first)
     free_before = engine.pools.allocator.available_size()
-    assert free_before == engine.pools.capacity - (37 if page_size == 1 else 32)
+    assert free_before == engine.pools.capacity - (37 if page_size == 1 else 48)
 
     full = first + rand_ids(20, seed=3)  # 57 tokens
     res = step(engine, full)
-    m = 37 if page_size == 1 else 32
+    m = 37
     acc = res.accounting
     assert acc.prompt_tokens == 57
     assert acc.cached_input_tokens == m
@@ -98,7 +100,9 @@ def test_prefix_reuse_computes_only_the_suffix(oracle_pairs, arch, page_size):
     ref = hf_logits(hf, full)
     assert rel_err(res.logits, ref[m:]) < REL_TOL
     assert res.output == [int(ref[-1].argmax())]
-    assert engine.tree.chain_tokens("a") == (57 if page_size == 1 else 48)
+    assert engine.tree.chain_tokens("a") == 57
+    # The step wrote on into the private page (now a tree page) and holds a new one.
+    assert engine.pools.allocator.available_size() == engine.pools.capacity - (57 if page_size == 1 else 64)
     engine.check_integrity()
 
 
@@ -115,9 +119,10 @@ def test_divergence_mid_page_reuses_whole_pages_only(oracle_pairs, arch):
     acc = res.accounting
     assert (acc.cached_input_tokens, acc.logical_reusable_tokens, acc.alignment_loss_tokens) == (32, 37, 5)
     assert rel_err(res.logits, hf_logits(hf, other)[32:]) < REL_TOL
-    # a's 48 tokens and b's 48 share the first two pages: 32 + 16 + 16 cached.
-    assert engine.tree.chain_tokens("a") == 48 and engine.tree.chain_tokens("b") == 48
-    assert engine.pools.capacity - engine.pools.allocator.available_size() == 64
+    # a's 48 tokens and b's first 48 share the first two pages: 32 + 16 + 16 cached,
+    # plus b's private page holding its last 2 tokens.
+    assert engine.tree.chain_tokens("a") == 48 and engine.tree.chain_tokens("b") == 50
+    assert engine.pools.capacity - engine.pools.allocator.available_size() == 80
     engine.check_integrity()
 
 
@@ -166,7 +171,7 @@ def test_forced_tokens_logits_and_logprobs(oracle_pairs, arch, page_size):
     assert rel_err(res.logits, ref) < REL_TOL
     lp = torch.log_softmax(ref[18:33], -1)
     assert res.logprobs == pytest.approx([float(lp[i, t]) for i, t in enumerate(forced)], abs=1e-4)
-    assert engine.tree.chain_tokens("a") == (34 if page_size == 1 else 32)
+    assert engine.tree.chain_tokens("a") == 34  # 32 in the tree + 2 in the private page
     engine.check_integrity()
 
 
@@ -183,11 +188,12 @@ def test_chunked_prefill_equals_unchunked(oracle_pairs, arch):
     assert c1.logits.shape == (37, VOCAB)
     assert rel_err(c1.logits, w1.logits) < 1e-5
     assert rel_err(c1.logits, ref[:37]) < REL_TOL
-    # Second step: 32 cached, 35 prompt tokens in chunks of 8, then 13 forced in chunks of 8.
-    assert c2.accounting.cached_input_tokens == w2.accounting.cached_input_tokens == 32
-    assert c2.logits.shape == (67 - 32 + 13, VOCAB)
+    # Second step: 37 cached (the chain's private page too), 30 prompt tokens in
+    # chunks of 8 (the first starts mid-page), then 13 forced in chunks of 8.
+    assert c2.accounting.cached_input_tokens == w2.accounting.cached_input_tokens == 37
+    assert c2.logits.shape == (67 - 37 + 13, VOCAB)
     assert rel_err(c2.logits, w2.logits) < 1e-5
-    assert rel_err(c2.logits, ref[32:]) < REL_TOL
+    assert rel_err(c2.logits, ref[37:]) < REL_TOL
     assert c1.output == w1.output and c2.output == w2.output
     assert chunked.tree.chain_tokens("a") == whole.tree.chain_tokens("a") == 80
     whole.check_integrity()
