@@ -212,11 +212,17 @@ class SessionRadixCache(RadixCache):
         return PrivateTail(array("q", key.token_ids[a : a + c]), page)
 
     def _alloc_page(self) -> Optional[torch.Tensor]:
-        alloc = self.token_to_kv_pool_allocator
-        if alloc.available_size() < self.page_size:
-            self.evict(EvictParams(num_tokens=self.page_size))
-        slots = alloc.alloc(self.page_size)
+        slots = self.alloc_pages(self.page_size)
         return None if slots is None else page_of(slots, self.page_size)
+
+    def alloc_pages(self, tokens: int) -> Optional[torch.Tensor]:
+        """Whole pages for `tokens` slots, evicting unlocked LRU leaves if short;
+        None (nothing taken) when even that is not enough."""
+        alloc, ps = self.token_to_kv_pool_allocator, self.page_size
+        need = -(-tokens // ps) * ps
+        if alloc.available_size() < need <= alloc.available_size() + self.evictable_size():
+            self.evict(EvictParams(num_tokens=need - alloc.available_size()))
+        return alloc.alloc(need) if alloc.available_size() >= need else None
 
     def free_branch(self, node: TreeNode) -> int:
         """Free `node` and its ancestors, leaf upwards, while they are unlocked

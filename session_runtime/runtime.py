@@ -24,7 +24,7 @@ from session_runtime.conversation import Conversation, ProtocolState, TraceEntry
 from session_runtime.backends.base import StepRequest, StepResult, create_backend
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest, ToolCallConflict
 from session_runtime.materializer import Materializer
-from session_runtime.offload import NoOffload, OffloadManager, OffloadSettings
+from session_runtime.offload import OffloadManager, OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
@@ -53,7 +53,7 @@ class Runtime(RuntimeInspection):
         self.materializer = Materializer(self.backend, background=background)
         self.materializer.on_done = self._materialized
         self.offload = (OffloadManager(self.backend, background=background, idle_ttl_s=self.config.idle_ttl_s)
-                        if self.backend.supports_offload else NoOffload())
+                        if self.backend.name == "embedded" else self.backend.make_offload(background))
         if not self.backend.supports_offload:
             self.config = self.config.replace(offload="never")
         self.model_id = self.config.model_id or self.config.model

@@ -35,7 +35,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from radix_ext.sglang.control import BadCommand, ControlServer, StaleCommand, control_address
 from radix_ext.sglang.hints import intent_of
-from radix_ext.sglang.idle import IdleChains
+from radix_ext.sglang.idle import IdleChains, short
+from radix_ext.sglang.offload import SchedulerHostTier
 from radix_ext.tails import common_length, page_of
 from radix_ext.tree import Namespace, SessionRadixCache
 
@@ -52,6 +53,7 @@ class SchedulerSessionCache(SessionRadixCache):
         self._offers: dict[str, str] = {}  # owner -> rid of the request its private page is offered to
         self._kept: dict[int, tuple[int, Any]] = {}  # id(req.kv) -> (position, tail) kept at finish
         self.idle = IdleChains()
+        self.offload = SchedulerHostTier()
         self.control = ControlServer(control_addr, self.handlers()) if control_addr else None
 
     # ----- per-request hooks (called by SGLang's scheduler) -------------------
@@ -137,6 +139,13 @@ class SchedulerSessionCache(SessionRadixCache):
         if hasattr(self, "idle"):
             self.idle.active(owner)
 
+    def relieve(self, scheduler: Any) -> None:
+        """Once per scheduler iteration: under pressure demote conversations that
+        wait for tools first, then retire idle chains (past their TTL, or in the way)."""
+        if self.offload.waiting and short(self, scheduler):
+            self.offload.relieve(self, lambda: short(self, scheduler))
+        self.idle.relieve(self, scheduler)
+
     def finish(self, handle, outcome) -> None:
         super().finish(handle, outcome)
         rid = getattr(handle, "rid", None)
@@ -155,6 +164,8 @@ class SchedulerSessionCache(SessionRadixCache):
         for name in ("chains", "tails", "_offers", "_kept"):
             if hasattr(self, name):
                 getattr(self, name).clear()
+        if hasattr(self, "offload"):
+            self.offload.waiting.clear()  # host copies hang from chains that are gone: dropped at promote
 
     # ----- control commands (run on the scheduler thread, between batches) ---
 
@@ -163,6 +174,7 @@ class SchedulerSessionCache(SessionRadixCache):
             "ping": self._cmd_ping, "pools": self._cmd_pools, "probe": self._cmd_probe,
             "probe_many": self._cmd_probe_many,
             "hold_prefix": self._cmd_hold_prefix, "release": self._cmd_release, "idle": self._cmd_idle,
+            "wait": self._cmd_wait, "demote": self._cmd_demote, "promote": self._cmd_promote, "host": self._cmd_host,
             "snapshot": self._cmd_snapshot, "check": self._cmd_check,
         }
 
@@ -180,6 +192,7 @@ class SchedulerSessionCache(SessionRadixCache):
             "chains": {owner: self.chain_tokens(owner) for owner in self.chains},
             "private": self.private_tokens(),
             "idle": sorted(self.idle.since), "idle_stats": dict(self.idle.stats),
+            "host": self.offload.stats(),
             "running": _running(scheduler),
         }
 
@@ -216,11 +229,40 @@ class SchedulerSessionCache(SessionRadixCache):
             self.idle.mark(owner, float(ttl))
         return {"idle": owner in self.idle.since}
 
+    def _cmd_wait(self, args: dict, scheduler: Any) -> dict:
+        """The owner waits for tools: pressure may demote it (allocates the host
+        tier of `host_tokens` on first use)."""
+        owner = _owner(args)
+        self.offload.ensure(self, _host_tokens(args))
+        if owner in self.chains:
+            import time
+
+            self.offload.waiting[owner] = time.monotonic()
+        return {"waiting": owner in self.offload.waiting}
+
+    def _cmd_demote(self, args: dict, scheduler: Any) -> dict:
+        owner = _owner(args)
+        self.offload.ensure(self, _host_tokens(args))
+        copy = args.get("copy", True)
+        if not isinstance(copy, bool):
+            raise BadCommand("copy must be a boolean")
+        moved = self.offload.demote(self, owner)
+        if moved and not copy:  # discard (baseline): the next step recomputes it
+            self.offload.forget(owner)
+        return {"tokens": moved}
+
+    def _cmd_promote(self, args: dict, scheduler: Any) -> dict:
+        return self.offload.promote(self, _owner(args), _key(args))
+
+    def _cmd_host(self, args: dict, scheduler: Any) -> dict:
+        return {"bytes": self.offload.bytes_of(_owner(args)), **self.offload.stats()}
+
     def _cmd_release(self, args: dict, scheduler: Any) -> dict:
         owner = _owner(args)
         self._check_expected(owner, args)
         held = owner in self.chains
         self.release_chain(owner)
+        self.offload.forget(owner)
         return {"released": held}
 
     def _cmd_snapshot(self, args: dict, scheduler: Any) -> dict:
@@ -238,6 +280,8 @@ class SchedulerSessionCache(SessionRadixCache):
         the scheduler holds no request (then nothing is in flight)."""
         idle = _running(scheduler) == 0
         self.check_integrity(in_flight_tokens=0 if idle else None, in_flight_locks=0 if idle else None)
+        if self.offload.host is not None:
+            self.offload.host.check()
         return {"checked": "full" if idle else "tree", "chains": len(self.chains)}
 
     def _check_expected(self, owner: str, args: dict) -> None:
@@ -256,6 +300,13 @@ def _owner(args: dict) -> str:
     if not isinstance(owner, str) or not owner:
         raise BadCommand("owner must be a non-empty string")
     return owner
+
+
+def _host_tokens(args: dict) -> int:
+    tokens = args.get("host_tokens")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= 1 << 26:
+        raise BadCommand("host_tokens must be an integer in [0, 2**26]")
+    return tokens
 
 
 def _key(args: dict):

@@ -41,7 +41,7 @@ class IdleChains:
             if self.ttl_s > 0 and now - since >= self.ttl_s:
                 self._release(cache, owner, "ttl_released")
                 released += 1
-        while self.since and _short(cache, scheduler):
+        while self.since and short(cache, scheduler):
             owner = min(self.since, key=self.since.get)
             self._release(cache, owner, "pressure_released")
             released += 1
@@ -54,7 +54,7 @@ class IdleChains:
             self.stats[why] += 1
 
 
-def _short(cache, scheduler: Any) -> bool:
+def short(cache, scheduler: Any) -> bool:
     """Does the head of the waiting queue not fit, with nothing running that
     will free pages when it finishes?"""
     if scheduler is None:

@@ -30,5 +30,5 @@ def serve_control(scheduler, *args, **kwargs):
     control = getattr(cache, "control", None)
     if control is not None:
         control.serve(scheduler)
-        cache.idle.relieve(cache, scheduler)  # idle chains past their TTL, or in the way
+        cache.relieve(scheduler)  # tool waits and idle chains, under pressure or past their TTL
     return None

@@ -120,6 +120,12 @@ class Backend(ABC):
         (O(1): /health calls it)."""
         return True
 
+    def make_offload(self, background: bool = True):
+        """The tool-wait offload manager that fits this backend (NoOffload when it has no host tier)."""
+        from session_runtime.offload import NoOffload
+
+        return NoOffload()
+
     def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
         """Bring an offloaded tail back before the owner's next step (host tier)."""
 

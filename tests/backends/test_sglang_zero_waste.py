@@ -99,3 +99,36 @@ def test_canonical_branch_orders(sglang_runtime, order):
     finally:
         rt.delete_conversation(cid)
     rt.check_integrity()
+
+
+def test_tool_wait_offload_in_the_scheduler_is_exact(sglang_runtime):
+    """During a tool wait the conversation's exclusive tail moves from the
+    scheduler's KV pool to its host tier and its pages are freed; the next
+    step promotes it first, counts it as host_loaded, and computes the same
+    logprobs as a twin conversation whose KV never left."""
+    rt = sglang_runtime
+    system = "Offload inside the scheduler. " * 10
+    forced1 = {"reasoning": "I need a tool. " * 6, "tool_calls": [{"name": "f", "arguments": {"x": 1}}]}
+    forced2 = {"reasoning": "Got it.", "content": "The answer is 42."}
+    moved_cid = rt.create_conversation(system=system, policy="drop", offload="always", tenant="zw-offload")
+    twin_cid = rt.create_conversation(system=system, policy="drop", offload="never", tenant="zw-twin")
+    try:
+        steps = {c: rt.send_message(c, "Use the tool.", forced=forced1) for c in (moved_cid, twin_cid)}
+        before = rt.backend.chain_tokens(moved_cid)
+        moved = rt.offload.run_due()
+        assert moved > 0 and rt.backend.chain_tokens(moved_cid) == before - moved
+        assert rt.backend.host_bytes(moved_cid) == moved * rt.backend.bytes_per_token
+        rt.backend.check_integrity()
+        got = {c: rt.send_tool_results(c, [{"tool_call_id": steps[c].tool_calls[0]["id"], "content": "ok"}],
+                                       forced=forced2, logprobs=True) for c in (moved_cid, twin_cid)}
+        acc, ref = got[moved_cid].accounting, got[twin_cid].accounting
+        assert acc.host_loaded_tokens == moved
+        assert acc.cached_input_tokens + acc.host_loaded_tokens == ref.cached_input_tokens
+        assert ref.uncached_prefill_tokens == acc.uncached_prefill_tokens  # the tool result and template only
+        assert acc.cached_input_tokens + acc.host_loaded_tokens + acc.uncached_prefill_tokens == acc.prompt_tokens
+        assert got[moved_cid].logprobs == pytest.approx(got[twin_cid].logprobs, abs=1e-3)
+        assert rt.backend.host_bytes(moved_cid) == 0
+    finally:
+        rt.delete_conversation(moved_cid)
+        rt.delete_conversation(twin_cid)
+    rt.check_integrity()

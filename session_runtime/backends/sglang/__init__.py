@@ -116,4 +116,5 @@ def _connect(config, tokenizer, url: str, server) -> SGLangBackend:
         raise InvalidRequest(f"tokenizer has {tokenizer.vocab_size} ids, the model only {vocab}")
     context = min(config.max_context, int(info.get("context_length") or config.max_context))
     return SGLangBackend(url, control, page_size=ping["page_size"], capacity=ping["capacity"],
-                         bytes_per_token=bytes_per_token, vocab_size=vocab, max_context=context, server=server)
+                         bytes_per_token=bytes_per_token, vocab_size=vocab, max_context=context, server=server,
+                         host_tokens=config.host_tokens(bytes_per_token))

@@ -39,12 +39,15 @@ class SGLangBackend(Backend):
     """Talks to one SGLang server (launched by us or given by URL)."""
 
     name = "sglang"
-    supports_offload = False
+    supports_offload = True  # inside the scheduler: radix_ext/sglang/offload.py
 
     def __init__(self, url: str, control: ControlClient, *, page_size: int, capacity: int,
                  bytes_per_token: int, vocab_size: int, max_context: int, server=None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, host_tokens: int = 0):
         self.url = url.rstrip("/")
+        self.host_tokens = host_tokens  # the scheduler's host tier, allocated by its first demotion
+        self._maybe_on_host: set[str] = set()  # owners a tool wait may have demoted
+        self._reloaded: dict[str, tuple[int, int]] = {}  # owner -> (anchor, tokens) promoted for its next step
         self.control = control
         self.page_size = page_size
         self.capacity = capacity
@@ -103,23 +106,27 @@ class SGLangBackend(Backend):
             computed = prompt + output[:-1] if output else prompt
             logprobs = [e[0] for e in meta.get("output_token_logprobs") or []] if req.sampling.logprobs else None
         cached = min(int(meta.get("cached_tokens") or 0), n)
+        anchor, count = self._reloaded.pop(req.owner, (0, 0))
+        host_loaded = min(count, max(0, cached - anchor))  # promoted tokens this request reused
+        cached -= host_loaded
         ps = self.page_size
         upto = len(computed) if req.cache_output else n
         # The chain keeps its partial last page privately; the tree alone, whole pages.
         inserted = upto if req.hold_chain else upto // ps * ps
         total_ms = (end_t - t0) * 1e3
         accounting = StepAccounting(
-            prompt_tokens=n, cached_input_tokens=cached, host_loaded_tokens=0,
-            uncached_prefill_tokens=n - cached, logical_reusable_tokens=max(logical, cached),
-            alignment_loss_tokens=max(0, logical - cached),
-            recomputed_history_tokens=max(0, min(req.history_len, n) - cached),
+            prompt_tokens=n, cached_input_tokens=cached, host_loaded_tokens=host_loaded,
+            uncached_prefill_tokens=n - cached - host_loaded,
+            logical_reusable_tokens=max(logical, cached + host_loaded),
+            alignment_loss_tokens=max(0, logical - cached - host_loaded),
+            recomputed_history_tokens=max(0, min(req.history_len, n) - cached - host_loaded),
             active_context_length=len(computed), output_tokens=len(output),
             kv_device_bytes=inserted * self.bytes_per_token, kv_host_bytes=0,
             # SGLang does not report its prefill time per request: the first
             # token as this client sees it bounds it from above.
             prefill_ms=(first_t - t0) * 1e3, ttft_ms=(first_t - t0) * 1e3,
             tpot_ms=((last_t - first_t) / (len(output) - 1) * 1e3) if forced is None and len(output) > 1 and last_t else 0.0,
-            attention_work=attention_work(n - cached, cached),
+            attention_work=attention_work(n - cached - host_loaded, cached + host_loaded),
         )
         return StepResult(output=output, finish_reason=finish, sequence=computed, logprobs=logprobs,
                           accounting=accounting, timing=StepTiming(total_ms, total_ms, 0.0))
@@ -269,6 +276,40 @@ class SGLangBackend(Backend):
     def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
         return self._call("hold_prefix", owner=owner, tokens=list(tokens), free_branch=free_branch,
                           **_ns(namespace))["tokens"]
+
+    # ----- tool-wait offload (the copies run in the scheduler) ---------------------
+
+    def make_offload(self, background: bool = True):
+        from session_runtime.backends.sglang.offload import SchedulerOffload
+
+        return SchedulerOffload(self, background=background)
+
+    def expect_host(self, owner: str) -> None:
+        self._maybe_on_host.add(owner)
+
+    def mark_waiting(self, owner: str) -> None:
+        self._call("wait", owner=owner, host_tokens=self.host_tokens)
+
+    def demote(self, owner: str, copy: bool = True) -> int:
+        return self._call("demote", owner=owner, host_tokens=self.host_tokens, copy=copy)["tokens"]
+
+    def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
+        """Promote the owner's host copy (if a tool wait demoted it) before its
+        next request; that request's accounting counts it as host_loaded."""
+        if owner not in self._maybe_on_host:
+            return
+        got = self._call("promote", owner=owner, tokens=list(prompt), **_ns(namespace))
+        self._maybe_on_host.discard(owner)
+        if got["tokens"]:
+            self._reloaded[owner] = (got["anchor"], got["tokens"])
+
+    def host_bytes(self, owner: str) -> int:
+        if owner not in self._maybe_on_host:
+            return 0
+        try:
+            return self._call("host", owner=owner)["bytes"]
+        except BackendUnavailable:
+            return 0
 
     def mark_idle(self, owner: str, ttl_s: float) -> None:
         # The scheduler retires it (radix_ext/sglang/idle.py): SGLang queues

@@ -1,0 +1,116 @@
+"""Tool-wait offload inside SGLang's scheduler.
+
+While a conversation waits for tool results, its exclusive chain tail (the
+nodes only its chain holds, and its private page) can move from the
+scheduler's own KV pool to a host arena in the scheduler process and free its
+device pages; `promote` brings it back into fresh pages before the next
+request's prefill. The bytes are the pool's own (`kv_copy.KVMover`), so a
+round trip is bit-identical. Everything runs on the scheduler thread, between
+batches (control commands and the per-iteration hook), so no request of the
+owner is in flight while its tail moves: the runtime demotes only during a
+tool wait, and a request the owner already queued blocks a demotion.
+
+Under pressure (a waiting request that cannot be admitted while nothing runs),
+conversations that wait for tools are demoted, oldest wait first, before any
+idle chain is released (`idle.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from radix_ext.host_tier import HostEntry, HostTier, TailNode, timed_ms
+from radix_ext.kv_copy import KVMover
+
+
+class SchedulerHostTier:
+    def __init__(self) -> None:
+        self.host: Optional[HostTier] = None  # allocated by the first demotion (its size comes from the runtime)
+        self.mover: Optional[KVMover] = None
+        self.waiting: dict[str, float] = {}  # owners in a tool wait that pressure may demote -> since
+
+    def ensure(self, cache, tokens: int) -> HostTier:
+        if self.host is None:
+            self.mover = KVMover(cache.token_to_kv_pool_allocator.get_kvcache())
+            self.host = HostTier(self.mover.empty(tokens))
+        return self.host
+
+    def demote(self, cache, owner: str) -> int:
+        """Copy the owner's exclusive tail to the host and free its device pages.
+        Returns the tokens moved (0: nothing exclusive, no room, or a request of
+        the owner is queued)."""
+        self.waiting.pop(owner, None)
+        if self.host is None or owner in cache._offers or self.host.peek(owner) is not None:
+            return 0
+        plan = cache.plan_demote(owner)
+        if plan is None or not self.host.fits(len(plan.tokens)):
+            return 0
+        res = self.host.reserve(owner, len(plan.tokens))
+        if res is None:
+            return 0
+        t = time.perf_counter()
+        try:
+            self.mover.to_host(plan.slots, res.kv)
+        except BaseException:
+            self.host.cancel(res)
+            raise
+        anchor = cache.chain_tokens(owner) - len(plan.tokens)
+        nodes = tuple(TailNode(n.id, len(n.key), n.hit_count) for n in plan.nodes)
+        entry = HostEntry(owner, anchor, plan.anchor.id, plan.tokens, res.start, res.kv,
+                          prefix=cache.path_tokens(plan.anchor), nodes=nodes)
+        self.host.commit(entry, res, timed_ms(t), copied_tokens=len(plan.tokens))
+        cache.drop_tail(plan)
+        return len(plan.tokens)
+
+    def promote(self, cache, owner: str, key) -> dict:
+        """Reload the owner's tail if `key` (the next prompt) continues it.
+        Returns {"anchor", "tokens"}: the reloaded span the next request reuses
+        from the host (tokens 0 when nothing came back). A stale entry is dropped;
+        one that does not fit yet stays (the request then recomputes it)."""
+        self.waiting.pop(owner, None)
+        entry = None if self.host is None else self.host.peek(owner)
+        if entry is None:
+            return {"anchor": 0, "tokens": 0}
+        start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
+        if cache.chain_tokens(owner) != start or list(key.token_ids[start:end]) != list(entry.tokens):
+            self.host.take(owner)
+            self.host.stats.lost_tokens += len(entry.tokens)
+            return {"anchor": 0, "tokens": 0}
+        slots = cache.alloc_pages(len(entry.tokens))
+        if slots is None:
+            return {"anchor": 0, "tokens": 0}
+        t = time.perf_counter()
+        self.mover.to_device(entry.kv, slots[: len(entry.tokens)])
+        prefix_len = cache.restore_tail(owner, key[:end], slots)
+        if prefix_len > start:  # someone cached the same tokens meanwhile
+            cache.token_to_kv_pool_allocator.free(slots[: prefix_len - start])
+        self.host.record_promote(entry, timed_ms(t))
+        self.host.take(owner)
+        first = max(start, prefix_len)
+        return {"anchor": first, "tokens": end - first}
+
+    def forget(self, owner: str) -> None:
+        self.waiting.pop(owner, None)
+        if self.host is not None:
+            self.host.take(owner)
+
+    def bytes_of(self, owner: str) -> int:
+        return 0 if self.host is None else self.host.bytes_of(owner)
+
+    def relieve(self, cache, short) -> int:
+        """Demote waiting conversations, oldest first, while `short()`. Returns tokens moved."""
+        moved = 0
+        for owner in sorted(self.waiting, key=self.waiting.get):
+            if not short():
+                break
+            moved += self.demote(cache, owner)
+        return moved
+
+    def stats(self) -> dict[str, Any]:
+        if self.host is None:
+            return {"capacity_tokens": 0, "used_tokens": 0}
+        import dataclasses
+
+        return {"capacity_tokens": self.host.capacity_tokens, "used_tokens": self.host.used_tokens,
+                **dataclasses.asdict(self.host.stats)}

@@ -1,0 +1,111 @@
+"""Tool-wait offload policies for the SGLang backend. The copies run inside
+the scheduler (`radix_ext/sglang/offload.py`); this side decides when:
+
+- never: nothing moves;
+- always / discard: demote (discard: free without a copy) as the wait starts;
+- ttl: demote once the wait is `ttl_s` old;
+- pressure: the scheduler is told the conversation waits, and demotes it itself
+  when a waiting request cannot be admitted (it sees the pressure, we do not).
+
+A demotion and the end of the same wait are serialized per conversation, so no
+demotion lands after the next step has started.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from session_runtime.errors import BackendUnavailable
+
+
+class SchedulerOffload:
+    def __init__(self, backend, background: bool = True, poll_s: float = 0.05):
+        self.backend = backend
+        self.waiting: dict[str, tuple[float, object]] = {}  # owner -> (since, OffloadSettings)
+        self.cond = threading.Condition()
+        self.poll_s = poll_s
+        self._owner_locks: dict[str, threading.Lock] = {}
+        self._stop = False
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="offload-sglang", daemon=True)
+            self._thread.start()
+
+    def _lock(self, owner: str) -> threading.Lock:
+        with self.cond:
+            return self._owner_locks.setdefault(owner, threading.Lock())
+
+    def wait_started(self, owner: str, settings) -> None:
+        if settings.mode == "never":
+            return
+        self.backend.expect_host(owner)
+        if settings.mode == "pressure":
+            self._quiet(self.backend.mark_waiting, owner)
+            return
+        with self.cond:
+            self.waiting[owner] = (time.monotonic(), settings)
+            self.cond.notify_all()
+
+    def idle_started(self, owner: str) -> None:
+        pass  # the scheduler retires idle chains (backend.mark_idle)
+
+    def wait_ended(self, owner: str):
+        with self._lock(owner):  # after a demotion of this wait that already started
+            with self.cond:
+                return self.waiting.pop(owner, None)
+
+    def wait_resumed(self, owner: str, wait) -> None:
+        if wait is not None:
+            with self.cond:
+                self.waiting[owner] = wait
+                self.cond.notify_all()
+
+    def forget(self, owner: str) -> None:
+        self.wait_ended(owner)
+        with self.cond:
+            self._owner_locks.pop(owner, None)
+
+    def due(self, now: Optional[float] = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        with self.cond:
+            items = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
+        return [o for o, (since, s) in items if s.mode in ("always", "discard")
+                or (s.mode == "ttl" and now - since >= s.ttl_s)]
+
+    def run_due(self, now: Optional[float] = None) -> int:
+        """Demote every conversation due now. Returns the tokens moved."""
+        total = 0
+        for owner in self.due(now):
+            with self._lock(owner):
+                with self.cond:
+                    entry = self.waiting.pop(owner, None)
+                if entry is None:
+                    continue  # its step started meanwhile
+                total += self._quiet(self.backend.demote, owner, entry[1].mode != "discard") or 0
+        return total
+
+    def _quiet(self, fn, *args):
+        try:
+            return fn(*args)
+        except BackendUnavailable:
+            return None  # a server that is gone holds nothing to move
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                if self._stop:
+                    return
+                if not self.waiting:
+                    self.cond.wait(timeout=0.5)
+                    continue
+            self.run_due()
+            time.sleep(self.poll_s)
+
+    def close(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
