@@ -294,3 +294,32 @@ def test_idle_chains_retire_after_their_ttl_and_under_pressure(served_cache):
         assert cache.idle.relieve(cache, None, now=4.0) == 0
         assert cache.idle.relieve(cache, None, now=6.0) == 1 and set(cache.chains) == {"new"}
     client.call("check")
+
+
+def test_tool_wait_demote_and_promote_in_the_scheduler_are_bit_identical(served_cache):
+    cache, client, pools, lock = served_cache
+    tokens = list(range(500, 514))  # 3 whole pages and 2 private tokens at page 4
+    _finish(cache, pools, lock, "shared", tokens[:4])
+    _finish(cache, pools, lock, "t", tokens[:12])
+    with lock:  # the finished request's private partial page, as the scheduler keeps it
+        page = pools.allocator.alloc(PAGE)
+        cache.set_chain("t", cache.chains["t"], cache.make_tail(tokens[12:], page))
+        slots = cache.chain_slots("t")
+        for k in pools.kv.k_buffer:
+            k[slots] = torch.randn(k[slots].shape)
+        before = [k[slots].clone() for k in pools.kv.k_buffer]
+        free = pools.allocator.available_size()
+    assert client.call("demote", owner="t", host_tokens=64) == {"tokens": 10}  # all but the shared page
+    assert client.call("host", owner="t")["bytes"] > 0 and client.call("pools")["chains"]["t"] == 4
+    assert pools.allocator.available_size() == free + 3 * PAGE
+    client.call("check")
+    with pytest.raises(BadCommand):
+        client.call("demote", owner="t", host_tokens=-1)
+    got = client.call("promote", owner="t", tokens=tokens + [9, 9])
+    assert got == {"anchor": 4, "tokens": 10}
+    with lock:
+        assert cache.chain_tokens("t") == 14 and cache.tails["t"].tokens.tolist() == tokens[12:]
+        slots = cache.chain_slots("t")
+        assert all(torch.equal(k[slots], b) for k, b in zip(pools.kv.k_buffer, before))
+    assert client.call("promote", owner="t", tokens=tokens) == {"anchor": 0, "tokens": 0}  # nothing left on the host
+    client.call("check")
