@@ -51,6 +51,7 @@ class HostEntry:
     on_device: bool = False
     nodes: tuple[TailNode, ...] = ()  # the tail's tree nodes, top-down, as snapshots show them
     moved_at: float = field(default_factory=time.monotonic)  # when it left the device
+    namespace: tuple = (None, None)  # (extra_key, cache_salt) of its tree keys: who may share it
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +88,7 @@ class TransferStats:
     promoted_bytes: int = 0
     promote_ms: float = 0.0
     lost_tokens: int = 0  # dropped from the host for room: recomputed on resume
+    shared_tokens: int = 0  # reloaded for another conversation whose prompt shares them
 
 
 class Ranges:

@@ -73,25 +73,25 @@ def test_tool_chain_continuation_and_turn_two_reuse(client, backend_live):
     assert seq1 == a1["prompt_tokens"] + forced_len(rt, {"reasoning": THINK, "tool_calls": [
         {"name": "get_weather", "arguments": {"city": "Paris"}}]})
     assert a1["cached_input_tokens"] == 0 and a1["uncached_prefill_tokens"] == a1["prompt_tokens"]
-    # The tool step continues the exact sequence: all of it is reused but the
-    # partial last page, which the tree never held (page granularity, SGLang's
-    # rule; a private partial page is a later issue).
-    assert a2["logical_reusable_tokens"] == a2["cached_input_tokens"] == seq1 // PAGE * PAGE
-    assert a2["alignment_loss_tokens"] == 0 and a2["recomputed_history_tokens"] == seq1 % PAGE
-    assert a2["uncached_prefill_tokens"] == a2["prompt_tokens"] - seq1 // PAGE * PAGE
+    # The tool step continues the exact sequence: all of it is reused, its
+    # partial last page too (kept private for the chain).
+    assert a2["logical_reusable_tokens"] == a2["cached_input_tokens"] == seq1
+    assert a2["alignment_loss_tokens"] == 0 and a2["recomputed_history_tokens"] == 0
+    assert a2["uncached_prefill_tokens"] == a2["prompt_tokens"] - seq1
     # Turn 2 under drop: the prompt forks where turn 1's reasoning was; the
-    # chain was held at the fork, so that much (page aligned) is reused.
+    # chain was held at the fork (its partial page copied), so all of it is reused.
     fork = conv["turns"][0]["fork_tokens"]
     assert 0 < fork < a1["prompt_tokens"] + 1
     assert a3["logical_reusable_tokens"] == fork
-    assert a3["cached_input_tokens"] == fork // PAGE * PAGE
-    assert a3["recomputed_history_tokens"] == conv["turns"][0]["steps"][-1]["active_context_length"] - fork // PAGE * PAGE
+    assert a3["cached_input_tokens"] == fork and a3["alignment_loss_tokens"] == 0
+    assert a3["recomputed_history_tokens"] == conv["turns"][0]["steps"][-1]["active_context_length"] - fork
     assert a3["cache_state"] == "prefix_only"
-    assert conv["chain"]["cached_tokens"] == conv["turns"][1]["steps"][0]["active_context_length"] // PAGE * PAGE
+    assert conv["chain"]["cached_tokens"] == conv["turns"][1]["steps"][0]["active_context_length"]
     tree = client.get("/debug/tree", params={"conversation": cid}).json()
     assert tree["chains"][cid] == conv["chain"]["cached_tokens"]
     owned = [n for n in tree["nodes"] if cid in n["owners"]]
-    assert sum(n["tokens"] for n in owned) == conv["chain"]["cached_tokens"]
+    # Tree nodes hold whole pages; the partial last page is the chain's private one.
+    assert sum(n["tokens"] for n in owned) == conv["chain"]["cached_tokens"] // PAGE * PAGE
     assert all(n["residency"] == "device" and n["lock_count"] >= 1 for n in owned)
 
 
@@ -122,7 +122,7 @@ def test_both_backends_account_the_same(embedded_twin, sglang_runtime):
 def test_keep_policy_reuses_the_whole_generated_turn(client, backend_live):
     cid, (a1, a2, a3), conv = tool_chain(client, backend_live.runtime, _system(), policy="keep")
     held = conv["turns"][0]["steps"][-1]["active_context_length"]
-    assert a3["cached_input_tokens"] == held // PAGE * PAGE
+    assert a3["cached_input_tokens"] == held
     assert a3["cache_state"] == "generated_branch"
 
 
@@ -150,7 +150,7 @@ def test_error_cases_change_nothing(client, backend_live):
     # And the conversation goes on as if nothing had happened.
     s2 = step_ok(results(client, cid, results=[{"tool_call_id": call, "content": "18 C"}],
                          forced={"content": "18 C."}))
-    assert s2["accounting"]["cached_input_tokens"] == s1["accounting"]["active_context_length"] // PAGE * PAGE
+    assert s2["accounting"]["cached_input_tokens"] == s1["accounting"]["active_context_length"]
 
 
 def test_sampled_steps_stream_and_delete(client, backend_live):
@@ -192,7 +192,7 @@ def test_concurrent_conversations(client, backend_live):
             with httpx.Client(base_url=url, timeout=300) as c:
                 _, steps, conv = tool_chain(c, backend_live.runtime, f"Agent {i} {uuid.uuid4().hex[:6]}.",
                                             think="Call the weather tool.", tools=[])
-                assert steps[1]["cached_input_tokens"] == steps[0]["active_context_length"] // PAGE * PAGE
+                assert steps[1]["cached_input_tokens"] == steps[0]["active_context_length"]
                 done.append(conv["id"])
         except Exception as exc:  # collected and reported below
             errors.append(repr(exc))
@@ -229,9 +229,9 @@ def test_canonical_branch_in_idle_time(client, backend_live):
     assert rt.materializer.run_pending() == 1  # the test's idle time
     conv = client.get(f"/v1/conversations/{cid}").json()
     canonical = conv["turns"][0]["steps"][-1]["active_context_length"]
-    assert conv["chain"]["cached_tokens"] == canonical // PAGE * PAGE
-    assert conv["turns"][0]["materialized_prefill_tokens"] == canonical - conv["turns"][0]["fork_tokens"] // PAGE * PAGE
+    assert conv["chain"]["cached_tokens"] == canonical
+    assert conv["turns"][0]["materialized_prefill_tokens"] == canonical - conv["turns"][0]["fork_tokens"]
     a = step_ok(msg(client, cid, content="And 3+3?", forced={"content": "6."}))["accounting"]
     assert a["cache_state"] == "canonical_branch"
-    assert a["cached_input_tokens"] == canonical // PAGE * PAGE
-    assert a["recomputed_history_tokens"] == canonical % PAGE
+    assert a["cached_input_tokens"] == canonical
+    assert a["recomputed_history_tokens"] == 0

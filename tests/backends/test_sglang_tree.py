@@ -46,7 +46,7 @@ def test_a_flood_of_unrelated_requests_evicts_no_chain(rt):
                                      policy="keep")
         step = rt.send_message(cid, "Remember this.", forced={"reasoning": "Noted.", "content": "Done." * 10})
         held[cid] = backend.chain_tokens(cid)
-        assert held[cid] == step.accounting.active_context_length // PAGE * PAGE > 0
+        assert held[cid] == step.accounting.active_context_length > 0  # its private partial page too
     nodes_before = {n.id: n for n in rt.tree_snapshot() if n.owners}
     # 20 distinct 200-token prompts: 4000 tokens through a 2048-token pool.
     first = [7000 + j for j in range(200)]

@@ -190,3 +190,36 @@ def test_every_reuse_path_equals_a_cold_prefill(path):
         eng.check_integrity()
     finally:
         rt.close()
+
+
+def test_a_prefix_on_the_host_is_shared_not_prefilled_again():
+    """A's chain waits for a tool on the host tier; B with the same system prompt
+    reloads it (A's chain moves back to it, write-through) instead of
+    prefilling it twice, and the accounting says so. B's logprobs equal a
+    twin's that never offloaded anything."""
+    rt, twin = make(pool_tokens=4096, host=4096), make(pool_tokens=4096, host=4096)
+    system = words(120, "shared")
+    tool = {"reasoning": words(10, "think"), "tool_calls": [{"name": "f", "arguments": {"x": 1}}]}
+    try:
+        a = {}
+        for r in (rt, twin):
+            a[r] = r.create_conversation(system=system, policy="drop", offload="always" if r is rt else "never")
+            r.send_message(a[r], words(5, "hi"), forced=tool)
+        a = a[rt]
+        moved = rt.offload.run_due()
+        assert moved > 0 and rt.engine.tree.chain_tokens(a) == 0
+        got, want = ({"b": r.create_conversation(system=system, policy="drop")} for r in (rt, twin))
+        s_got = rt.send_message(got["b"], words(4, "other"), forced={"content": words(3, "ok")}, logprobs=True)
+        s_want = twin.send_message(want["b"], words(4, "other"), forced={"content": words(3, "ok")}, logprobs=True)
+        acc, ref = s_got.accounting, s_want.accounting
+        # A's whole tail came back; B reused the part its prompt shares.
+        assert acc.host_loaded_tokens > 0 and rt.engine.host.stats.shared_tokens == moved
+        assert acc.cached_input_tokens + acc.host_loaded_tokens == ref.cached_input_tokens > 0
+        assert acc.uncached_prefill_tokens == ref.uncached_prefill_tokens
+        assert s_got.logprobs == pytest.approx(s_want.logprobs, abs=1e-4)
+        # A's own tail is back on the device (its host copy kept): its next step reloads nothing.
+        assert rt.engine.host.peek(a).on_device
+        rt.check_integrity()
+    finally:
+        rt.close()
+        twin.close()

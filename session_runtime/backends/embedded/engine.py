@@ -174,6 +174,8 @@ class Engine(HostTierOps, Backend):
         n = len(prompt)
         key = req.namespace.key(prompt)
         reloaded = reloaded or self._promote(req.owner, req.namespace, prompt)
+        if not reloaded[1]:  # another conversation's offloaded prefix, shared instead of prefilled again
+            reloaded = self._share(req.owner, req.namespace, prompt)
         probe = self.tree.probe(key[: n - 1])
         # The last prompt token is always computed: its logits start the output.
         node, prefix_slots = self.tree.match_and_lock(key[: n - 1])

@@ -63,6 +63,37 @@ class HostTierOps:
             return 0, 0
         return self._restore(owner, namespace, prompt, entry, slots, self._copy_in(entry, slots)) or (0, 0)
 
+    def _share(self, owner: str, namespace: Namespace, prompt: list[int]) -> tuple[int, int]:
+        """Inside a step (engine lock held): another conversation's host-only tail
+        that this prompt shares at least a page further than the device tree
+        holds is reloaded, for both (write-through: its owner's chain moves back
+        to it, its host copy stays). Returns (first reloaded position, tokens),
+        (0, 0) when nothing is shared."""
+        ps, limit = self.page_size, len(prompt) - 1
+        have = self.tree.probe(namespace.key(prompt[:limit])).device_len
+        best, best_len = None, have + ps - 1
+        for other, entry in list(self.host.entries.items()):
+            if other == owner or entry.on_device or entry.namespace != (namespace.extra_key, namespace.cache_salt):
+                continue
+            end = entry.anchor_tokens + len(entry.tokens)
+            if end <= best_len or self.tree.chain_tokens(other) != entry.anchor_tokens:
+                continue
+            full = entry.prefix + entry.tokens
+            shared = _lcp(full, prompt, min(end, limit))
+            if shared > best_len and shared > entry.anchor_tokens:
+                best, best_len = (other, entry, full), shared
+        if best is None:
+            return 0, 0
+        other, entry, full = best
+        slots = self._alloc_for(other, entry)
+        if slots is None:
+            return 0, 0
+        done = self._restore(other, namespace, list(full), entry, slots, self._copy_in(entry, slots))
+        if done is None:
+            return 0, 0
+        self.host.stats.shared_tokens += done[1]
+        return done
+
     def _alloc_for(self, owner: str, entry: HostEntry):
         """Device slots for reloading `entry`, or None when making room (a pressure
         demotion of another waiter) dropped the entry itself: then the step
@@ -230,7 +261,8 @@ class HostTierOps:
         anchor_depth = self.tree.chain_tokens(plan.owner) - len(plan.tokens)
         start, kv = (reuse.start, reuse.kv) if res is None else (res.start, res.kv)
         entry = HostEntry(plan.owner, anchor_depth, plan.anchor.id, plan.tokens, start, kv,
-                          prefix=self.tree.path_tokens(plan.anchor), nodes=_tail_nodes(plan))
+                          prefix=self.tree.path_tokens(plan.anchor), nodes=_tail_nodes(plan),
+                          namespace=(plan.tail.key.extra_key, plan.tail.key.cache_salt))
         self.host.commit(entry, res, copy_ms, copied_tokens=len(plan.tokens) - job.held)
         self.tree.drop_tail(plan)
         return len(plan.tokens)
@@ -285,6 +317,21 @@ class HostTierOps:
                                     namespace=None))
                 parent = node.id
         return out
+
+
+def _lcp(a, b, limit: int) -> int:
+    """Common prefix length of two token sequences, at most `limit` (C-speed compares)."""
+    n = min(len(a), len(b), limit)
+    if n <= 0 or a[0] != b[0]:
+        return 0
+    lo, hi = 0, n  # a[:lo] == b[:lo]; binary search on slice equality
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if list(a[lo:mid]) == list(b[lo:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _tail_nodes(plan: TailPlan) -> tuple[TailNode, ...]:
