@@ -385,7 +385,7 @@ class Runtime(RuntimeInspection):
         acc = result.accounting
         if new[0].role == "user":
             prev = conv.turns[-1] if conv.turns else None
-            state = turn_rules.cache_state(acc.cached_input_tokens + acc.host_loaded_tokens, self.config.page_size,
+            state = turn_rules.cache_state(acc.cached_input_tokens + acc.host_loaded_tokens,
                                            prev.first_prompt_tokens if prev else None, conv.canonical_kind)
             acc = dataclasses.replace(acc, cache_state=state, counterfactual=counterfactual)
             conv.turns.append(TurnRecord(index=turn, first_prompt_tokens=len(prompt), cache_state=state,

@@ -18,7 +18,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def cache_state(cached: int, page_size: int, prev_prompt_tokens: Optional[int], prev_kind: str) -> str:
+def cache_state(cached: int, prev_prompt_tokens: Optional[int], prev_kind: str) -> str:
     """Which of the seed's four states served a turn's first step.
 
     prefix_only: nothing past the previous turn's prompt P was reused;
@@ -26,7 +26,9 @@ def cache_state(cached: int, page_size: int, prev_prompt_tokens: Optional[int], 
     """
     if cached == 0:
         return "none"
-    if prev_prompt_tokens is None or cached <= prev_prompt_tokens // page_size * page_size:
+    # Reuse is exact up to the fork now (a private page holds its partial page),
+    # so P itself is the bound, not its last whole page.
+    if prev_prompt_tokens is None or cached <= prev_prompt_tokens:
         return "prefix_only"
     return "canonical_branch" if prev_kind == "canonical" else "generated_branch"
 
