@@ -1,6 +1,6 @@
 """POST /v1/chat/completions with the official `openai` client over loopback:
-reasoning_content, usage with cached tokens, conversation_id reuse (exact,
-page-aligned fork point), a tool-call history round trip, streaming, a
+reasoning_content, usage with cached tokens, conversation_id reuse (the
+exact fork point, its partial page private to the chain), a tool-call history round trip, streaming, a
 history that replaces the conversation's, and errors.
 
 The shared server (tests/api/conftest.py): 'tiny' preset, page 16, context 512,
@@ -79,7 +79,7 @@ def test_chat_with_system_and_user(oai, client, rt):
     assert r2.usage.completion_tokens == 1
 
 
-def test_conversation_id_reuses_the_page_aligned_fork(oai, client, rt):
+def test_conversation_id_reuses_the_exact_fork(oai, client, rt):
     system = "[reuse] You are a meticulous assistant for the conversation reuse test. Answer briefly and politely, always. " * 2
     u1, u2 = "What is the capital of France?", "And of Spain?"
     enc = rt.tokenizer.encode
@@ -88,7 +88,9 @@ def test_conversation_id_reuses_the_page_aligned_fork(oai, client, rt):
     assert fork == 1 + 45 + 1 + 7 + 1 and fork // PAGE * PAGE == 48
 
     # 11 output tokens: r1's computed sequence (55 + 11 - 1 = 65) fills the tree's
-    # pages up to 64, past the fork, so the fork shows unaligned in the accounting.
+    # pages up to 64, past the fork (inside page 48..63). At the turn's close the
+    # drop chain moves to the fork exactly (its partial page copied into a private
+    # page), so the conversation's next turn reuses all 55 tokens: no alignment loss.
     r1 = chat(oai, [sys(system), user(u1)], max_tokens=11, extra_body={"conversation_id": "oa-reuse"})
     assert r1.usage.prompt_tokens == fork + 1 and r1.usage.prompt_tokens_details.cached_tokens == 0
     r2 = chat(oai, [sys(system), user(u1), reply(r1), user(u2)], max_tokens=6,
@@ -96,9 +98,9 @@ def test_conversation_id_reuses_the_page_aligned_fork(oai, client, rt):
     # The drop policy renders turn 0 without its reasoning: </think> answer eos.
     answer = len(enc(r1.choices[0].message.content or ""))
     assert r2.usage.prompt_tokens == fork + 1 + answer + 1 + 1 + len(enc(u2)) + 1 + 1
-    assert r2.usage.prompt_tokens_details.cached_tokens == fork // PAGE * PAGE == 48
+    assert r2.usage.prompt_tokens_details.cached_tokens == fork == 55
     acc = extra(r2, "accounting")
-    assert (acc["logical_reusable_tokens"], acc["alignment_loss_tokens"]) == (fork, fork - 48)
+    assert (acc["logical_reusable_tokens"], acc["alignment_loss_tokens"]) == (fork, 0)
     assert acc["cache_state"] == "prefix_only"
 
     d = client.get("/v1/conversations/oa-reuse").json()
@@ -190,7 +192,9 @@ def test_a_history_that_differs_replaces_the_conversation(oai, client, rt):
     r2 = chat(oai, [sys(system), user(u1), rewritten, user(u2)], max_tokens=4,
               extra_body={"conversation_id": "oa-replace"})
     assert r2.usage.prompt_tokens == fork + 1 + len(enc("A different answer.")) + 1 + 1 + len(enc(u2)) + 1 + 1
-    assert r2.usage.prompt_tokens_details.cached_tokens == fork // PAGE * PAGE
+    # The conversation's own chain sits at turn 0's fork exactly (a private
+    # partial page), and the rewritten history still shares that prefix.
+    assert r2.usage.prompt_tokens_details.cached_tokens == fork == 18
     d = client.get("/v1/conversations/oa-replace").json()
     assert [(t["role"], t["content"]) for t in d["trace"]] == [
         ("user", u1), ("assistant", "A different answer."), ("user", u2), ("assistant", r2.choices[0].message.content)]

@@ -39,7 +39,13 @@ def browser() -> str:
 @pytest.fixture(scope="module")
 def server():
     """(base url, {'a': id, 'b': id}): two conversations that share a system
-    prompt and fork on their first user message."""
+    prompt and fork on their first user message.
+
+    Under drop a closed turn's chain moves to its fork (before <think>) and
+    the generated branch is freed, so each chain ends at its prompt's fork:
+    bos + system (37) + <User> = 39 shared tokens (node 0..32), and each user
+    message is long enough (12 and 16 tokens) that both forks (52, 56) reach
+    past the next page boundary (48): the shared node has two children."""
     import uvicorn
 
     from session_runtime.api.app import create_app
@@ -49,7 +55,7 @@ def server():
     rt = Runtime(RuntimeConfig(model="tiny", page_size=16, pool_tokens=8192, max_context=2048), background=False)
     a = rt.create_conversation(SYSTEM)
     b = rt.create_conversation(SYSTEM)
-    rt.send_message(a, "What is the capital of France?", forced={"reasoning": "It is Paris.", "content": "Paris."})
+    rt.send_message(a, "What is the capital of France? Answer in one word.", forced={"reasoning": "It is Paris.", "content": "Paris."})
     # Markup in a message: the page must show it as text, not as elements.
     rt.send_message(b, "Name a prime <b>bigger</b> than ten & say why",
                     forced={"reasoning": "Eleven is prime.", "content": "11"})

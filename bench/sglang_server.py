@@ -1,7 +1,7 @@
 """SGLang benchmark: cache policies per turn (Part A) and step throughput (Part B)
 on SGLang's real server, plain and with our `session` radix-cache backend.
 
-    .venv/bin/python bench/sglang.py [--quick] [--turns 8] [--seed 0] [--duration 16] [--reps 2]
+    .venv/bin/python bench/sglang_server.py [--quick] [--turns 8] [--seed 0] [--duration 16] [--reps 2]
                                      [--rounds 2] [--concurrency 1,8,32] [--pool-tokens 262144]
 
 Writes bench/results/sglang.json and bench/results/sglang.png. One run, one
