@@ -143,29 +143,31 @@ def test_forced_turns_get_and_token_ids(client, rt):
         "conversation_id": cid, "turn": 0, "step": 0, "reasoning": "Think about it.",
         "content": "The answer is 42.", "tool_calls": [], "finish_reason": "forced", "logprobs": None}
     a = s1["accounting"]
-    # bos + 4 system + <User> Hello <Assistant> + <think> = 9; + 12 forced = 21 computed -> 16 cached.
+    # bos + 4 system + <User> Hello <Assistant> + <think> = 9; + 12 forced = 21 computed, all
+    # held by the keep chain: one tree page (16) plus its private partial page (5).
     assert (a["prompt_tokens"], a["cached_input_tokens"], a["uncached_prefill_tokens"], a["output_tokens"]) == (9, 0, 9, 12)
     assert (a["logical_reusable_tokens"], a["alignment_loss_tokens"], a["recomputed_history_tokens"]) == (0, 0, 0)
     assert (a["active_context_length"], a["attention_work"], a["host_loaded_tokens"], a["kv_host_bytes"]) == (21, 45, 0, 0)
-    assert a["kv_device_bytes"] == 16 * TINY_BYTES_PER_TOKEN
+    assert a["kv_device_bytes"] == 21 * TINY_BYTES_PER_TOKEN
     assert a["cache_state"] == "none"
     assert a["counterfactual"] == {"keep": {"prompt_tokens": 9, "prefill_tokens": 9, "context_tokens": 9},
                                    "drop": {"prompt_tokens": 9, "prefill_tokens": 9, "context_tokens": 9}}
 
     s2 = step_ok(msg(client, cid, content="Hello there", forced=FORCED))
     a2 = s2["accounting"]
-    # 21 + <User> Hello there <Assistant> + <think> = 26; 16 of the 21 cached.
+    # 21 + <User> Hello there <Assistant> + <think> = 26; all 21 reused (its own
+    # chain's private page continues the tree's page exactly), nothing recomputed.
     assert (s2["turn"], s2["step"]) == (1, 0)
-    assert (a2["prompt_tokens"], a2["cached_input_tokens"], a2["uncached_prefill_tokens"]) == (26, 16, 10)
-    assert (a2["logical_reusable_tokens"], a2["alignment_loss_tokens"], a2["recomputed_history_tokens"]) == (16, 0, 5)
-    assert a2["attention_work"] == 10 * 16 + 10 * 11 // 2
-    assert (a2["active_context_length"], a2["kv_device_bytes"]) == (38, 32 * TINY_BYTES_PER_TOKEN)
+    assert (a2["prompt_tokens"], a2["cached_input_tokens"], a2["uncached_prefill_tokens"]) == (26, 21, 5)
+    assert (a2["logical_reusable_tokens"], a2["alignment_loss_tokens"], a2["recomputed_history_tokens"]) == (21, 0, 0)
+    assert a2["attention_work"] == 5 * 21 + 5 * 6 // 2
+    assert (a2["active_context_length"], a2["kv_device_bytes"]) == (38, 38 * TINY_BYTES_PER_TOKEN)
     assert a2["cache_state"] == "generated_branch"
 
     d = client.get(f"/v1/conversations/{cid}").json()
     assert "token_ids" not in d["chain"]
     assert {k: d["chain"][k] for k in ("sequence_tokens", "cached_tokens", "kind", "kv_device_bytes")} == {
-        "sequence_tokens": 38, "cached_tokens": 32, "kind": "generated", "kv_device_bytes": 32 * TINY_BYTES_PER_TOKEN}
+        "sequence_tokens": 38, "cached_tokens": 38, "kind": "generated", "kv_device_bytes": 38 * TINY_BYTES_PER_TOKEN}
     assert [(t["turn"], t["role"], t["content"], t.get("reasoning"), t.get("step"), t.get("finish_reason"))
             for t in d["trace"]] == [
         (0, "user", "Hello", None, None, None), (0, "assistant", "The answer is 42.", "Think about it.", 0, "forced"),
@@ -179,8 +181,8 @@ def test_forced_turns_get_and_token_ids(client, rt):
     assert [(t["turn"], t["closed"], t["cache_state"], t["fork_tokens"]) for t in d["turns"]] == [
         (0, True, "none", 21), (1, True, "generated_branch", 38)]
     assert d["turns"][0]["steps"] == [a] and d["turns"][1]["steps"] == [a2]
-    assert d["turns"][1]["totals"] == {"prompt_tokens": 26, "cached_input_tokens": 16, "uncached_prefill_tokens": 10,
-                                       "recomputed_history_tokens": 5, "output_tokens": 12, "host_loaded_tokens": 0,
+    assert d["turns"][1]["totals"] == {"prompt_tokens": 26, "cached_input_tokens": 21, "uncached_prefill_tokens": 5,
+                                       "recomputed_history_tokens": 0, "output_tokens": 12, "host_loaded_tokens": 0,
                                        "attention_work": a2["attention_work"]}
 
     withids = client.get(f"/v1/conversations/{cid}", params={"tokens": 1}).json()
@@ -210,9 +212,10 @@ def test_policy_and_materialize_fields_take_effect(client, rt):
     assert never["turns"][0]["materialize"] == "skipped: materialize=never"
     assert always["turns"][0]["materialize"] == "scheduled: materialize=always"
     assert keep["turns"][0]["materialize"] is None
-    # drop holds only the page-aligned fork; keep holds the generated sequence.
-    assert never["chain"]["cached_tokens"] == (n - 1) // PAGE * PAGE
-    assert keep["chain"]["cached_tokens"] == (n + 12) // PAGE * PAGE
+    # drop holds the fork exactly (its partial page copied into a private page);
+    # keep holds the whole generated sequence (prompt + 12 forced), exactly too.
+    assert never["chain"]["cached_tokens"] == n - 1 == 8
+    assert keep["chain"]["cached_tokens"] == n + 12 == 21
 
 
 def test_tenant_salts_the_cache(client, rt):
@@ -230,11 +233,13 @@ def test_tenant_salts_the_cache(client, rt):
 def test_delete(client, rt):
     cid = create(client, system="Delete over HTTP.", policy="keep")
     step_ok(msg(client, cid, content="Hello", forced=FORCED))
-    assert client.get("/debug/tree").json()["chains"][cid] == 16
-    locked = rt.engine.tree.protected_size()
+    # 21 computed: one locked tree page plus 5 tokens on the chain's private page.
+    assert client.get("/debug/tree").json()["chains"][cid] == 21
+    locked, private = rt.engine.tree.protected_size(), rt.engine.tree.private_tokens()
     r = client.delete(f"/v1/conversations/{cid}")
     assert r.status_code == 200 and r.json() == {"id": cid, "deleted": True}
     assert rt.engine.tree.protected_size() == locked - 16
+    assert rt.engine.tree.private_tokens() == private - PAGE  # the private page is freed
     assert cid not in client.get("/debug/tree").json()["chains"]
     error_of(client.get(f"/v1/conversations/{cid}"), 404, "not_found")
     error_of(client.delete(f"/v1/conversations/{cid}"), 404, "not_found")
@@ -268,8 +273,9 @@ def test_tool_call_round_trip(client, rt):
     a = s1["accounting"]
     # Results render in the order of the pending calls, not of the request.
     assert a["prompt_tokens"] == seq0 + results_len(rt, ["sunny", "12:00"])
-    assert a["cached_input_tokens"] == seq0 // PAGE * PAGE
-    assert a["recomputed_history_tokens"] == seq0 - seq0 // PAGE * PAGE
+    # The tool step continues the chain exactly (its private partial page too).
+    assert a["cached_input_tokens"] == seq0
+    assert (a["alignment_loss_tokens"], a["recomputed_history_tokens"]) == (0, 0)
     assert a["uncached_prefill_tokens"] == a["prompt_tokens"] - a["cached_input_tokens"]
     assert a["cache_state"] is None and a["counterfactual"] is None  # only a turn's first step has them
 
@@ -316,8 +322,11 @@ def test_seeded_sampling_over_http_is_reproducible(client, rt):
 def test_debug_tree(client, rt):
     cid = create(client, system="Debug tree over HTTP.", policy="keep")
     step_ok(msg(client, cid, content="Hello", forced={"reasoning": "r " * 20, "content": "c " * 20}))
-    cached = client.get(f"/v1/conversations/{cid}").json()["chain"]["cached_tokens"]
-    assert cached > PAGE and cached % PAGE == 0
+    chain = client.get(f"/v1/conversations/{cid}").json()["chain"]
+    cached = chain["cached_tokens"]
+    # keep holds the exact sequence: 3 tree pages plus a private partial page,
+    # which /debug/tree counts in "chains" but lists as no node.
+    assert cached == chain["sequence_tokens"] == 54 and cached % PAGE == 6
     full = client.get("/debug/tree").json()
     assert full["page_size"] == PAGE
     assert full["chains"][cid] == cached
@@ -328,8 +337,8 @@ def test_debug_tree(client, rt):
     mine = client.get("/debug/tree", params={"conversation": cid}).json()
     assert mine["page_size"] == PAGE and mine["chains"] == full["chains"]
     assert mine["nodes"] and all(cid in n["owners"] for n in mine["nodes"])
-    assert sum(n["tokens"] for n in mine["nodes"]) == cached
-    assert max(n["depth_tokens"] for n in mine["nodes"]) == cached
+    assert sum(n["tokens"] for n in mine["nodes"]) == cached // PAGE * PAGE
+    assert max(n["depth_tokens"] for n in mine["nodes"]) == cached // PAGE * PAGE
     assert {n["id"] for n in mine["nodes"]} <= {n["id"] for n in full["nodes"]}
     assert all(n["namespace"] == "tiny|" + rt.tokenizer.digest + "|deepseek" for n in mine["nodes"])
     assert mine["nodes"][0]["preview"].startswith("<｜begin▁of▁sentence｜>Debug tree over HTTP.")
@@ -556,33 +565,40 @@ def test_oversized_prompt_is_413(client, rt, closed_conv):
 
 @pytest.fixture(scope="module")
 def small_pool():
-    """Pool of 64 tokens (4 pages), context 512: a prompt can exhaust the pool."""
-    with served(pool_tokens=64) as s, httpx.Client(base_url=s.url, timeout=120) as c:
+    """Pool of 96 tokens (6 pages), context 512: a prompt can exhaust the pool."""
+    with served(pool_tokens=96) as s, httpx.Client(base_url=s.url, timeout=120) as c:
         yield s.runtime, c
         s.runtime.check_integrity()
 
 
 def test_pool_exhausted_is_507(small_pool):
     rt, client = small_pool
-    holder = create(client, system="Pool holder.", policy="keep")
-    a = step_ok(msg(client, holder, content="Hello", forced={"content": "word " * 30}))["accounting"]
+    # The holder's pages are locked by a tool wait that never offloads: an idle
+    # chain (a closed turn) would give way under pressure and the requests below
+    # would succeed (see the end of this test).
+    holder = create(client, system="Pool holder.", policy="keep", offload="never")
+    a = step_ok(msg(client, holder, content="Hello", forced={"tool_calls": [WEATHER]}))["accounting"]
     seq = a["prompt_tokens"] + a["output_tokens"]
-    assert seq == first_prompt_len(rt, "Pool holder.", "Hello") + forced_len(rt, {"content": "word " * 30}) == 41
-    assert client.get("/debug/tree").json()["chains"][holder] == 32
+    assert seq == first_prompt_len(rt, "Pool holder.", "Hello") + forced_len(rt, {"tool_calls": [WEATHER]}) == 54
+    # 3 tree pages (48) plus the chain's private partial page (6 tokens, a whole page).
+    assert client.get("/debug/tree").json()["chains"][holder] == 54
     before = snapshot(client, holder)
     pools = pool_state(rt)
-    assert pools == (32, 32, 0)
+    assert pools == (32, 48, 0) and rt.engine.tree.private_tokens() == PAGE
     m0 = metrics(client)
 
-    # The next prompt needs 4 new pages on top of the 2 cached: only 2 are free.
+    # The next prompt needs 3 new pages on top of the 4 held (the private one
+    # continues): only 2 are free.
     content = "word " * 40
-    prompt = seq + len(rt.tokenizer.encode(content)) + 3
-    need = -(-(prompt - 32) // PAGE) * PAGE
-    assert need == 64
-    m = error_of(msg(client, holder, content=content, max_tokens=2), 507, "pool_exhausted")
-    assert m == ("need 64 KV slots, 32 free after evicting every unlocked leaf "
-                 "(32 tokens are locked by conversations)")
+    prompt = seq + results_len(rt, [content])
+    need = -(-(prompt - 64) // PAGE) * PAGE
+    assert need == 48
+    m = error_of(results(client, holder, results=[{"tool_call_id": "call_0_0_0", "content": content}],
+                         max_tokens=2), 507, "pool_exhausted")
+    assert m == ("need 48 KV slots, 32 free after evicting every unlocked leaf "
+                 "(48 tokens are locked by conversations)")
     assert snapshot(client, holder) == before and pool_state(rt) == pools
+    assert client.get(f"/v1/conversations/{holder}").json()["pending_tool_calls"] == [{"id": "call_0_0_0", **WEATHER}]
     rt.check_integrity()
 
     # Another conversation cannot take the locked pages either, and is left empty.
@@ -597,10 +613,15 @@ def test_pool_exhausted_is_507(small_pool):
     assert metrics(client)["session_step_errors_total"] - m0["session_step_errors_total"] == 3
     rt.check_integrity()
 
-    # Deleting the holder unlocks its pages: the same request now fits.
-    assert client.delete(f"/v1/conversations/{holder}").status_code == 200
-    s = step_ok(msg(client, other, content=content, max_tokens=2))
-    assert s["accounting"]["output_tokens"] == 2
+    # Once the holder's turn closes its chain is idle: under pressure it leaves
+    # the device first (demoted to the host tier), so the same request fits.
+    step_ok(results(client, holder, results=[{"tool_call_id": "call_0_0_0", "content": "sunny"}],
+                    forced={"content": "ok"}))
+    held = client.get("/debug/tree").json()["chains"][holder]
+    assert held == seq + results_len(rt, ["sunny"]) + forced_len(rt, {"content": "ok"})
+    step_ok(msg(client, other, content=content, max_tokens=2))
+    d = client.get(f"/v1/conversations/{holder}").json()
+    assert d["chain"]["kv_host_bytes"] == held * TINY_BYTES_PER_TOKEN
     rt.check_integrity()
 
 
@@ -683,7 +704,7 @@ def test_stream_tool_results(client, rt):
     assert (step["turn"], step["step"], step["finish_reason"]) == (0, 1, "forced")
     a = step["accounting"]
     assert a["prompt_tokens"] == seq + results_len(rt, ["sunny"])
-    assert a["cached_input_tokens"] == seq // PAGE * PAGE
+    assert a["cached_input_tokens"] == seq  # the exact continuation, private page included
     d = client.get(f"/v1/conversations/{cid}").json()
     assert d["pending_tool_calls"] == [] and d["turns"][0]["closed"] and d["turns"][0]["steps"][1] == a
 
@@ -782,13 +803,13 @@ def test_client_disconnect_mid_stream_leaves_a_complete_turn(client, rt, live, m
     a = d["turns"][0]["steps"][0]
     assert (a["prompt_tokens"], a["cached_input_tokens"], a["output_tokens"]) == (n, 0, out)
     assert d["chain"]["sequence_tokens"] == n + out
-    assert d["chain"]["cached_tokens"] == (n + out) // PAGE * PAGE
+    assert d["chain"]["cached_tokens"] == n + out  # keep: exact, partial last page private
 
-    # The conversation goes on from the complete turn.
+    # The conversation goes on from the complete turn, reusing all of it.
     s = step_ok(msg(client, cid, content="Next", forced={"content": "ok"}))
     assert s["turn"] == 1
     assert s["accounting"]["prompt_tokens"] == n + out + len(rt.tokenizer.encode("Next")) + 3
-    assert s["accounting"]["cached_input_tokens"] == (n + out) // PAGE * PAGE
+    assert s["accounting"]["cached_input_tokens"] == n + out
 
 
 def test_client_disconnect_during_a_greedy_decode(client, rt, live):
@@ -809,7 +830,9 @@ def test_client_disconnect_during_a_greedy_decode(client, rt, live):
     plain = step_ok(msg(client, twin, content="Go on", max_tokens=64))
     assert first["output_tokens"] == plain["accounting"]["output_tokens"]
     assert (d["trace"][1]["reasoning"], d["trace"][1]["content"]) == (plain["reasoning"], plain["content"])
-    assert s["accounting"]["cached_input_tokens"] == d["turns"][0]["steps"][0]["active_context_length"] // PAGE * PAGE
+    # The chain holds the computed sequence exactly (the last sampled token was
+    # never fed), and the next turn reuses all of it.
+    assert s["accounting"]["cached_input_tokens"] == first["prompt_tokens"] + first["output_tokens"] - 1
     rt.check_integrity()
 
 
@@ -873,7 +896,7 @@ def test_two_requests_on_one_conversation_are_serialized(client, rt, live, monke
     n = first_prompt_len(rt, system, "First")
     out = forced_len(rt, {"reasoning": "one", "content": "1"})
     assert second["accounting"]["prompt_tokens"] == n + out + len(rt.tokenizer.encode("Second")) + 3
-    assert second["accounting"]["cached_input_tokens"] == (n + out) // PAGE * PAGE
+    assert second["accounting"]["cached_input_tokens"] == n + out  # turn 0's chain, exactly
     d = client.get(f"/v1/conversations/{cid}").json()
     assert [(t["turn"], t["role"], t["content"]) for t in d["trace"]] == [
         (0, "user", "First"), (0, "assistant", "1"), (1, "user", "Second"), (1, "assistant", "2")]

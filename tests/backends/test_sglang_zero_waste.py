@@ -132,3 +132,35 @@ def test_tool_wait_offload_in_the_scheduler_is_exact(sglang_runtime):
         rt.delete_conversation(moved_cid)
         rt.delete_conversation(twin_cid)
     rt.check_integrity()
+
+
+def test_idle_chains_do_not_starve_a_new_conversation(sglang_runtime):
+    """Pool 2048: three idle conversations hold about 1,900 tokens of it. SGLang
+    would queue a fourth conversation forever behind their locks; the
+    scheduler releases idle chains, oldest first, so it is admitted."""
+    import threading
+
+    rt = sglang_runtime
+    forced = {"reasoning": "Thinking. " * 4, "content": "Done."}
+    cids = [rt.create_conversation(system=f" {w}" * 620, policy="drop", materialize="never", tenant="zw-idle")
+            for w in ("red", "green", "blue", "gold")]
+    try:
+        for cid in cids[:3]:
+            rt.send_message(cid, "Hi", forced=forced)
+        held = sum(rt.backend.chain_lengths().get(c, 0) for c in cids[:3])
+        assert held > 1800
+        done: list = []
+        worker = threading.Thread(target=lambda: done.append(rt.send_message(cids[3], "Hi", forced=forced)))
+        worker.start()
+        worker.join(timeout=240)
+        assert done, "the new conversation was never admitted"
+        acc = done[0].accounting
+        assert acc.cached_input_tokens + acc.uncached_prefill_tokens == acc.prompt_tokens
+        assert rt.backend.pools()["idle_stats"]["pressure_released"] >= 1
+        # The released conversations' next turns rebuild what LRU took, and count it.
+        acc = rt.send_message(cids[0], "Again", forced=forced).accounting
+        assert acc.cached_input_tokens + acc.uncached_prefill_tokens == acc.prompt_tokens
+    finally:
+        for cid in cids:
+            rt.delete_conversation(cid)
+    rt.check_integrity()

@@ -57,11 +57,15 @@ def test_idle_conversations_no_longer_starve_new_ones():
 
 
 def test_a_prompt_that_can_never_fit_is_still_refused():
-    rt = make(pool_tokens=1024, host=0)
+    """...and it moves no idle chain off the device on its way out."""
+    rt = make(pool_tokens=1024, host=1024)
     try:
-        closed_turn(rt, words(300, "red"))
+        cid, _ = closed_turn(rt, words(300, "red"))
+        held = rt.engine.tree.chain_tokens(cid)
         with pytest.raises(PoolExhausted):
             closed_turn(rt, words(1500, "huge"))
+        assert rt.engine.tree.chain_tokens(cid) == held and rt.engine.host.used_tokens == 0
+        assert rt.offload.stats == {"idle_demoted": 0, "idle_released": 0}
         rt.check_integrity()
     finally:
         rt.close()

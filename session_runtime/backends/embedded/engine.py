@@ -126,8 +126,9 @@ class Engine(HostTierOps, Backend):
         need = -(-num_tokens // ps) * ps
         allocator = self.pools.allocator
         # Evict only when that is enough: a request that cannot fit anyway must
-        # not throw away other conversations' cached branches on its way out.
-        if allocator.available_size() + self.tree.evictable_size() < need and self.on_pressure is not None:
+        # not throw away other conversations' cached branches (or move idle and
+        # waiting chains off the device) on its way out.
+        if allocator.available_size() + self.tree.evictable_size() < need <= self.capacity and self.on_pressure is not None:
             self.on_pressure(need - allocator.available_size() - self.tree.evictable_size())
         if allocator.available_size() < need <= allocator.available_size() + self.tree.evictable_size():
             self.tree.evict_tokens(need - allocator.available_size())
