@@ -83,7 +83,6 @@ class Sim:
             return False
         acc = step.accounting
         self.steps.append({"agent": i, "step": k, "ttft_ms": acc.ttft_ms, "recomputed": acc.recomputed_history_tokens,
-                           "page_tail": s["prev"] % PS,  # the previous step's partial last page: never cached
                            "host_loaded": acc.host_loaded_tokens, "prefill": acc.uncached_prefill_tokens,
                            "output": acc.output_tokens, "sequence": acc.prompt_tokens + acc.output_tokens})
         s["k"], s["prev"] = k + 1, acc.prompt_tokens + acc.output_tokens
@@ -152,12 +151,12 @@ class Sim:
     def summary(self) -> dict:
         st, hs = self.steps, dataclasses.asdict(self.rt.engine.host.stats)
         res = [x["ttft_ms"] for x in st if x["step"]]
-        rec, tail = sum(x["recomputed"] for x in st), sum(x["page_tail"] for x in st)
+        rec = sum(x["recomputed"] for x in st)
         work = sum(x["sequence"] for x in st if x["step"] + 1 == len(self.agents[x["agent"]]["steps"]))
         self.rt.check_integrity()
         for d in ("demote", "promote"):
             hs[f"{d}_MB_s"] = hs[f"{d}d_bytes"] / hs[f"{d}_ms"] / 1e3 if hs[f"{d}_ms"] else None
-        return {"recomputed_tokens": rec, "page_tail_tokens": tail, "offload_recomputed_tokens": rec - tail,
+        return {"recomputed_tokens": rec, "offload_recomputed_tokens": rec,
                 "host_loaded_tokens": sum(x["host_loaded"] for x in st),
                 "prefill_tokens": sum(x["prefill"] for x in st),
                 "resumes": len(res), "resume_ttft_ms": {"median": statistics.median(res),
@@ -352,7 +351,7 @@ def main() -> None:
     targets = {
         "zero_recompute_with_host_room": {
             "met": all(p["offload_recomputed_tokens"] == 0 and p["host"]["lost_tokens"] == 0 for p in offloaders),
-            "what": "always/ttl/pressure recompute nothing beyond partial last pages, host tier never full"},
+            "what": "always/ttl/pressure recompute nothing (partial last pages included), host tier never full"},
         "reload_below_recompute_above_1k": {
             "met": all(r["reload_ttft_ms"] < r["recompute_ttft_ms"] for r in latency if r["context"] > 1024),
             "what": "median resume TTFT after demote < after discard at every context > 1k"}}
@@ -370,9 +369,9 @@ def main() -> None:
                  "reload_vs_recompute rows give the achieved GB/s each way and the ceiling: one contiguous "
                  "host->device copy of the same bytes. copy_overlap: one reload in a worker thread while the main "
                  "thread computes; overlap_ratio is both's wall time over the sum of each alone (1.0: no overlap). "
-                 "recomputed_tokens includes each step's partial "
-                 "last page (page_tail_tokens, < page_size per step), recomputed under every policy; "
-                 "offload_recomputed_tokens is the rest. Resume TTFT is the successful attempt's; a failed step "
+                 "recomputed_tokens: history the step prefilled again (a conversation's partial last page "
+                 "is private, demoted and reloaded with its chain, so it is never recomputed); "
+                 "offload_recomputed_tokens is the same figure. Resume TTFT is the successful attempt's; a failed step "
                  "computes nothing, its cost is simulated: stall_sim_s, and a later sim_end_s (makespan). "
                  "tokens_per_s: workload_tokens (final sequences) per wall second of the policy's events."),
         "policies": policies, "reload_vs_recompute": latency, "copy_overlap": overlap,
