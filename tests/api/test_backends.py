@@ -86,7 +86,8 @@ def test_tool_chain_continuation_and_turn_two_reuse(client, backend_live):
     assert a3["cached_input_tokens"] == fork and a3["alignment_loss_tokens"] == 0
     assert a3["recomputed_history_tokens"] == conv["turns"][0]["steps"][-1]["active_context_length"] - fork
     assert a3["cache_state"] == "prefix_only"
-    assert conv["chain"]["cached_tokens"] == conv["turns"][1]["steps"][0]["active_context_length"]
+    # Turn 2 closed too: the chain now holds turn 2's fork, exactly.
+    assert conv["chain"]["cached_tokens"] == conv["turns"][1]["fork_tokens"]
     tree = client.get("/debug/tree", params={"conversation": cid}).json()
     assert tree["chains"][cid] == conv["chain"]["cached_tokens"]
     owned = [n for n in tree["nodes"] if cid in n["owners"]]
