@@ -68,20 +68,19 @@ def test_a_delete_during_a_demotion_leaves_no_host_entry(rt):
     rt.check_integrity()
 
 
-def test_reloaded_tokens_another_chain_had_cached_are_device_reuse(rt):
+def test_a_prefix_shared_from_the_host_is_device_reuse_for_its_owner_after(rt):
     a = rt.create_conversation(system=words(40), tenant="t", policy="drop", offload="always")
     sa = tool_turn(rt, a, reasoning=60)
     moved = rt.offload.run_due()
     assert moved > 0
     b = rt.create_conversation(system=words(40), tenant="t", policy="drop", offload="never")
-    tool_turn(rt, b, reasoning=60)  # the same tokens, now on the device again
+    sb = tool_turn(rt, b, reasoning=60)  # the same tokens: a's tail is reloaded for both, not prefilled again
+    assert sb.accounting.host_loaded_tokens > 0 and rt.engine.host.peek(a).on_device
     ra = rt.send_tool_results(a, [{"tool_call_id": sa.tool_calls[0]["id"], "content": "ok"}],
                               forced={"tool_calls": [{"name": "f", "arguments": {"x": 2}}]})
-    # b's whole pages are in the tree: device reuse. Its partial last page is
-    # b's private page, so a's last moved % 16 tokens still come from the host.
-    assert moved % 16
-    assert ra.accounting.host_loaded_tokens == moved % 16
-    assert ra.accounting.cached_input_tokens == moved // 16 * 16
+    # a's chain came back with the sharing: its next step reuses it from the device.
+    assert ra.accounting.host_loaded_tokens == 0
+    assert ra.accounting.cached_input_tokens == moved
     rt.check_integrity()
 
 
