@@ -220,11 +220,14 @@ class SchedulerSessionCache(SessionRadixCache):
 
     def _cmd_idle(self, args: dict, scheduler: Any) -> dict:
         """The owner's turn closed: its chain is idle until its next request
-        (retired after `ttl_s`, 0 = only under pressure; `relieve`)."""
+        (retired after `ttl_s`, 0 = only under pressure; `relieve`). With
+        `host_tokens`, the host tier it may be demoted to is allocated."""
         owner = _owner(args)
         ttl = args.get("ttl_s", 0)
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl < 0:
             raise BadCommand("ttl_s must be a number >= 0")
+        if "host_tokens" in args:
+            self.offload.ensure(self, _host_tokens(args))
         if owner in self.chains:
             self.idle.mark(owner, float(ttl))
         return {"idle": owner in self.idle.since}

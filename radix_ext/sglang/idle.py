@@ -21,7 +21,7 @@ class IdleChains:
     def __init__(self) -> None:
         self.since: dict[str, float] = {}  # owner -> when its turn closed
         self.ttl_s = 0.0  # 0: retire only under pressure
-        self.stats = {"ttl_released": 0, "pressure_released": 0}
+        self.stats = {"ttl_released": 0, "pressure_released": 0, "ttl_demoted": 0, "pressure_demoted": 0}
 
     def mark(self, owner: str, ttl_s: float, now: Optional[float] = None) -> None:
         self.since[owner] = time.monotonic() if now is None else now
@@ -39,19 +39,23 @@ class IdleChains:
         released = 0
         for owner, since in sorted(self.since.items(), key=lambda kv: kv[1]):
             if self.ttl_s > 0 and now - since >= self.ttl_s:
-                self._release(cache, owner, "ttl_released")
+                self._release(cache, owner, "ttl")
                 released += 1
         while self.since and short(cache, scheduler):
             owner = min(self.since, key=self.since.get)
-            self._release(cache, owner, "pressure_released")
+            self._release(cache, owner, "pressure")
             released += 1
         return released
 
     def _release(self, cache, owner: str, why: str) -> None:
         self.since.pop(owner, None)
-        if owner in cache.chains:
-            cache.release_chain(owner)
-            self.stats[why] += 1
+        if owner not in cache.chains:
+            return
+        if cache.offload.host is not None and cache.offload.demote(cache, owner):
+            self.stats[f"{why}_demoted"] += 1
+            return
+        cache.release_chain(owner)
+        self.stats[f"{why}_released"] += 1
 
 
 def short(cache, scheduler: Any) -> bool:

@@ -9,7 +9,6 @@ request still works.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
@@ -169,7 +168,7 @@ def test_failed_step_frees_its_request_row(small_decoder):
     assert engine.pools.req_to_token.available_size() == rows
     assert free(engine) == 32 and engine.tree.chains == {}
     engine.check_integrity()
-    r = run(engine, "X", seq(1, 20))
+    run(engine, "X", seq(1, 20))
     # 16 in the tree, the last 4 in a private page: both pages are used.
     assert engine.tree.chain_tokens("X") == 20 and free(engine) == 0
     engine.check_integrity()

@@ -196,7 +196,6 @@ def test_splicing_the_old_answer_is_wrong(rt):
     cold prefill of P|A|U; the runtime's own fork path gives the cold logits."""
     from radix_ext.tree import Namespace
     from session_runtime.backends.embedded.engine import StepRequest
-    from session_runtime.sampling import SamplingParams
 
     eng = rt.engine
     ns = Namespace(extra_key="splice")

@@ -314,8 +314,9 @@ class SGLangBackend(Backend):
     def mark_idle(self, owner: str, ttl_s: float) -> None:
         # The scheduler retires it (radix_ext/sglang/idle.py): SGLang queues
         # what does not fit, so pressure is seen there, not here.
+        self._maybe_on_host.add(owner)  # retiring it may demote it: the next step promotes it
         try:
-            self._call("idle", owner=owner, ttl_s=ttl_s)
+            self._call("idle", owner=owner, ttl_s=ttl_s, host_tokens=self.host_tokens)
         except BackendUnavailable:
             pass  # a server that is gone holds no chain to retire
 
