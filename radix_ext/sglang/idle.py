@@ -47,6 +47,16 @@ class IdleChains:
             released += 1
         return released
 
+    def make_room(self, cache, tokens: int, exclude: str) -> None:
+        """Retire idle chains, oldest first, until `tokens` slots are free or
+        evictable (a promotion needs them now)."""
+        alloc = cache.token_to_kv_pool_allocator
+        for owner in sorted(self.since, key=self.since.get):
+            if alloc.available_size() + cache.evictable_size() >= tokens:
+                return
+            if owner != exclude:
+                self._release(cache, owner, "pressure")
+
     def _release(self, cache, owner: str, why: str) -> None:
         self.since.pop(owner, None)
         if owner not in cache.chains:

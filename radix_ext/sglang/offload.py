@@ -78,6 +78,9 @@ class SchedulerHostTier:
             self.host.stats.lost_tokens += len(entry.tokens)
             return {"anchor": 0, "tokens": 0}
         slots = cache.alloc_pages(len(entry.tokens))
+        if slots is None:  # idle chains make room first, as for admission
+            cache.idle.make_room(cache, -(-len(entry.tokens) // cache.page_size) * cache.page_size, exclude=owner)
+            slots = cache.alloc_pages(len(entry.tokens))
         if slots is None:
             return {"anchor": 0, "tokens": 0}
         t = time.perf_counter()
