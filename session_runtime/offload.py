@@ -63,24 +63,64 @@ class NoOffload:
         pass
 
 
-class OffloadManager:
-    """Tracks conversations waiting for tools and demotes them by policy, on a
-    worker thread (or on `run_due()` when built with background=False)."""
+class WaitTable:
+    """Conversations' waits (owner -> (since, settings)) and the worker thread
+    that calls `run_due` while any is tracked (or nothing, with background=False:
+    tests and benchmarks call `run_due` themselves). Subclasses decide what is due."""
 
-    def __init__(self, engine: Engine, background: bool = True, poll_s: float = 0.05, idle_ttl_s: float = 0.0):
-        self.engine = engine
-        # owner -> (since, settings); settings None: idle after a closed turn
+    thread_name = "offload"
+
+    def __init__(self, background: bool = True, poll_s: float = 0.05):
         self.waiting: dict[str, tuple[float, Optional[OffloadSettings]]] = {}
-        self.idle_ttl_s = idle_ttl_s
-        self.stats = {"idle_demoted": 0, "idle_released": 0}
         self.cond = threading.Condition()
         self.poll_s = poll_s
         self._stop = False
-        engine.on_pressure = self._on_pressure
         self._thread = None
         if background:
-            self._thread = threading.Thread(target=self._loop, name="offload", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
             self._thread.start()
+
+    def run_due(self, now: Optional[float] = None) -> int:
+        raise NotImplementedError
+
+    def wait_resumed(self, owner: str, wait) -> None:
+        """Put back a wait that a failed step had ended, with its original start
+        (a ttl keeps counting from when the tool call was made)."""
+        if wait is not None:
+            with self.cond:
+                self.waiting[owner] = wait
+                self.cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                if self._stop:
+                    return
+                if not self.waiting:
+                    self.cond.wait(timeout=0.5)
+                    continue
+            self.run_due()
+            time.sleep(self.poll_s)
+
+    def close(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class OffloadManager(WaitTable):
+    """Tracks conversations waiting for tools and demotes them by policy, on a
+    worker thread (or on `run_due()` when built with background=False).
+    Settings None in the table: idle after a closed turn."""
+
+    def __init__(self, engine: Engine, background: bool = True, poll_s: float = 0.05, idle_ttl_s: float = 0.0):
+        self.engine = engine
+        self.idle_ttl_s = idle_ttl_s
+        self.stats = {"idle_demoted": 0, "idle_released": 0}
+        engine.on_pressure = self._on_pressure
+        super().__init__(background, poll_s)
 
     def wait_started(self, owner: str, settings: OffloadSettings) -> None:
         if settings.mode == "never":
@@ -99,14 +139,6 @@ class OffloadManager:
         """Stop tracking the owner's wait; returns it, for `wait_resumed`."""
         with self.cond:
             return self.waiting.pop(owner, None)
-
-    def wait_resumed(self, owner: str, wait: Optional[tuple[float, OffloadSettings]]) -> None:
-        """Put back a wait that a failed step had ended, with its original start
-        (a ttl keeps counting from when the tool call was made)."""
-        if wait is not None:
-            with self.cond:
-                self.waiting[owner] = wait
-                self.cond.notify_all()
 
     def forget(self, owner: str) -> None:
         """The conversation is gone: drop its host copy (or its record of a lost one) too."""
@@ -204,21 +236,3 @@ class OffloadManager:
                 current = self.waiting.get(owner)
             return current is not None and current[0] == since
         return still
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                if self._stop:
-                    return
-                if not self.waiting:
-                    self.cond.wait(timeout=0.5)
-                    continue
-            self.run_due()
-            time.sleep(self.poll_s)
-
-    def close(self) -> None:
-        with self.cond:
-            self._stop = True
-            self.cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)

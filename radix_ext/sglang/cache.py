@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Optional
 
 import torch
@@ -238,8 +239,6 @@ class SchedulerSessionCache(SessionRadixCache):
         owner = _owner(args)
         self.offload.ensure(self, _host_tokens(args))
         if owner in self.chains:
-            import time
-
             self.offload.waiting[owner] = time.monotonic()
         return {"waiting": owner in self.offload.waiting}
 

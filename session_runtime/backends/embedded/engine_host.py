@@ -69,12 +69,15 @@ class HostTierOps:
         holds is reloaded, for both (write-through: its owner's chain moves back
         to it, its host copy stays). Returns (first reloaded position, tokens),
         (0, 0) when nothing is shared."""
+        ns = (namespace.extra_key, namespace.cache_salt)
+        candidates = [(o, e) for o, e in list(self.host.entries.items())
+                      if o != owner and not e.on_device and e.namespace == ns]
+        if not candidates:  # the common case: no probe, nothing to read
+            return 0, 0
         ps, limit = self.page_size, len(prompt) - 1
         have = self.tree.probe(namespace.key(prompt[:limit])).device_len
         best, best_len = None, have + ps - 1
-        for other, entry in list(self.host.entries.items()):
-            if other == owner or entry.on_device or entry.namespace != (namespace.extra_key, namespace.cache_salt):
-                continue
+        for other, entry in candidates:
             end = entry.anchor_tokens + len(entry.tokens)
             if end <= best_len or self.tree.chain_tokens(other) != entry.anchor_tokens:
                 continue

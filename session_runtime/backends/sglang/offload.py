@@ -18,20 +18,16 @@ import time
 from typing import Optional
 
 from session_runtime.errors import BackendUnavailable
+from session_runtime.offload import WaitTable
 
 
-class SchedulerOffload:
+class SchedulerOffload(WaitTable):
+    thread_name = "offload-sglang"
+
     def __init__(self, backend, background: bool = True, poll_s: float = 0.05):
         self.backend = backend
-        self.waiting: dict[str, tuple[float, object]] = {}  # owner -> (since, OffloadSettings)
-        self.cond = threading.Condition()
-        self.poll_s = poll_s
         self._owner_locks: dict[str, threading.Lock] = {}
-        self._stop = False
-        self._thread = None
-        if background:
-            self._thread = threading.Thread(target=self._loop, name="offload-sglang", daemon=True)
-            self._thread.start()
+        super().__init__(background, poll_s)
 
     def _lock(self, owner: str) -> threading.Lock:
         with self.cond:
@@ -55,12 +51,6 @@ class SchedulerOffload:
         with self._lock(owner):  # after a demotion of this wait that already started
             with self.cond:
                 return self.waiting.pop(owner, None)
-
-    def wait_resumed(self, owner: str, wait) -> None:
-        if wait is not None:
-            with self.cond:
-                self.waiting[owner] = wait
-                self.cond.notify_all()
 
     def forget(self, owner: str) -> None:
         self.wait_ended(owner)
@@ -91,21 +81,3 @@ class SchedulerOffload:
             return fn(*args)
         except BackendUnavailable:
             return None  # a server that is gone holds nothing to move
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                if self._stop:
-                    return
-                if not self.waiting:
-                    self.cond.wait(timeout=0.5)
-                    continue
-            self.run_due()
-            time.sleep(self.poll_s)
-
-    def close(self) -> None:
-        with self.cond:
-            self._stop = True
-            self.cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
