@@ -1,17 +1,24 @@
-"""Reasoning-policy benchmark: one seeded multi-turn agent trace replayed under five policies.
+"""Reasoning-policy benchmark: one seeded multi-turn agent trace replayed under five policies, on both backends.
 
-    .venv/bin/python bench/policies.py [--device cpu|cuda] [--turns 8] [--seed 0] [--page-size 16] [--scale 1] [--reps 2]
+    .venv/bin/python bench/policies.py [--backend both|embedded|sglang] [--device cpu|cuda] [--turns 8] [--seed 0]
+                                       [--page-size 16] [--scale 1] [--reps 2]
 
 Writes bench/results/policies.json and bench/results/policies.png. Every output
 is forced from a seeded generator (reasoning and answers are built from words
 that are one DeepSeek token each), so all policies replay the identical trace.
-Each conversation has its own Runtime (no shared tree); all of them live at
-once and are played turn by turn in a rotating order, so load from other jobs
-hits every policy alike. keep and drop+always (the TTFT target's pair) get
-`--reps` conversations each; their per-turn TTFTs are medians over those. Under
-drop+always, `run_pending()` after each turn stands for the idle time between
-turns and is timed separately. A short page_size=1 replay checks that tool-chain
-steps recompute strictly nothing once page-granularity tails are out of the way.
+On the embedded engine each conversation has its own Runtime (no shared tree);
+on SGLang's server (launched once, `--radix-cache-backend session`, the `tiny`
+preset's weights) all conversations share one Runtime, each under its own
+tenant, so each has its own namespace and its tree figures are its namespace's
+nodes. On either, all conversations live at once and are played turn by turn in
+a rotating order, so load from other jobs hits every policy alike. keep and
+drop+always (the TTFT target's pair) get `--reps` conversations each; their
+per-turn TTFTs are medians over those. Under drop+always, `run_pending()` after
+each turn stands for the idle time between turns and is timed separately (on
+SGLang it runs the canonical branch as a low-priority prefill-only request). A
+short page_size=1 replay (embedded only: it needs its own pool) checks that
+tool-chain steps recompute strictly nothing without any page in the way; at
+page 16 the private partial last page gives the same 0 on both backends.
 """
 
 from __future__ import annotations
@@ -77,32 +84,44 @@ def make_trace(args, tpl) -> dict:
     return {"system": system, "turns": turns, "tokens": tokens}
 
 
-def build_runtime(args, page_size: int, tokens: int) -> Runtime:
-    pool = -(-3 * tokens // page_size) * page_size + 16384  # room for both branches: nothing is ever evicted
-    return Runtime(RuntimeConfig(model="tiny", device=args.device, page_size=page_size, pool_tokens=pool,
-                                 max_context=2 * tokens + 4096), background=False)
+def build_runtime(args, page_size: int, tokens: int, backend: str = "embedded", conversations: int = 1) -> Runtime:
+    # Room for both branches of every conversation: nothing is ever evicted.
+    pool = -(-3 * tokens * conversations // page_size) * page_size + 16384
+    return Runtime(RuntimeConfig(model="tiny", backend=backend, device=args.device, page_size=page_size,
+                                 pool_tokens=pool, max_context=2 * tokens + 4096, data_dir=None, offload="never",
+                                 idle_ttl_s=0), background=False)
 
 
-def stale_tokens(rt: Runtime, cid: str) -> int:
+def tree_tokens(rt: Runtime, cid: str) -> int:
+    """Device-resident tree tokens in the conversation's namespace (its tenant's)."""
+    ns = rt.namespace(rt.get(cid))
+    return sum(n.tokens for n in rt.backend.snapshot(lambda ids: "")
+               if n.residency in ("device", "both") and (n.namespace, n.cache_salt) == (ns.extra_key, ns.cache_salt))
+
+
+def stale_tokens(rt: Runtime, cid: str, total: int) -> int:
     """Tree tokens that the next turn's canonical prompt cannot reuse."""
     conv = rt.get(cid)
     tpl = rt.template(conv.template)
     ids = tpl.render(conv.system, conv.tools, conv.history, conv.policy.kept_turns(conv.closed_turns), False).ids
-    return rt.engine.tree.total_size() - rt.engine.probe(rt.namespace(conv), ids + [0]).device_len
+    return total - rt.backend.probe(rt.namespace(conv), ids + [0]).device_len
 
 
 class Replay:
-    """One conversation in its own Runtime, fed the trace a turn at a time."""
+    """One conversation, in its own Runtime or under its own tenant in a shared
+    one (`rt`), fed the trace a turn at a time."""
 
-    def __init__(self, args, label: str, trace: dict, page_size: int, tokens: int):
-        self.label, self.rows = label, []
-        self.rt = build_runtime(args, page_size, tokens)
+    def __init__(self, args, label: str, trace: dict, page_size: int, tokens: int, rt: Runtime = None,
+                 tenant: str = None):
+        self.label, self.rows, self.owns_runtime = label, [], rt is None
+        self.rt = build_runtime(args, page_size, tokens) if rt is None else rt
         # offload=never: the host tier stays out of this comparison (the pool never fills anyway)
-        self.cid = self.rt.create_conversation(trace["system"], tools=TOOLS, offload="never", **POLICIES[label])
+        self.cid = self.rt.create_conversation(trace["system"], tools=TOOLS, offload="never", tenant=tenant,
+                                               **POLICIES[label])
 
     def turn(self, turn: dict) -> None:
         rt, cid = self.rt, self.cid
-        ps, tree, bpt = rt.config.page_size, rt.engine.tree, rt.engine.bytes_per_token
+        ps, bpt = rt.config.page_size, rt.backend.bytes_per_token
         step = rt.send_message(cid, turn["user"], max_tokens=1, forced=turn["steps"][0])
         accs = [step.accounting]
         for result, forced in zip(turn["results"], turn["steps"][1:]):
@@ -118,10 +137,10 @@ class Replay:
                  "new": a.prompt_tokens - p.active_context_length, "tail": p.active_context_length % ps}
                 for p, a in zip(accs, accs[1:])]
         cf = accs[0].counterfactual or {}
-        tail = tree.tails.get(cid)
-        private = len(tail.tokens) if tail is not None else 0
-        # The chain's tree part; its private partial page is not a tree node.
-        total, chain = tree.total_size(), tree.chain_tokens(cid) - private
+        # The chain's tree part is whole pages; its private partial last page is not a tree node.
+        held = rt.backend.chain_tokens(cid)
+        private = held % ps
+        total, chain = tree_tokens(rt, cid), held - private
         self.rows.append({
             "prefill_tokens": sum(a.uncached_prefill_tokens for a in accs),
             "first_step_prefill": accs[0].uncached_prefill_tokens, "ttft_ms": accs[0].ttft_ms,
@@ -130,8 +149,8 @@ class Replay:
             "idle_jobs": jobs, "idle_prefill_tokens": rt.materializer.stats["prefill_tokens"] - before,
             "idle_ms": idle_ms, "peak_kv_bytes": max(a.kv_device_bytes for a in accs),
             "chain_bytes": (chain + private) * bpt, "tree_bytes": total * bpt, "orphaned_bytes": (total - chain) * bpt,
-            "private_page_tokens": private,
-            "stale_bytes": stale_tokens(rt, cid) * bpt, "cache_state": accs[0].cache_state,
+            "private_page_tokens": private, "device_pages": total // ps + (1 if private else 0),
+            "stale_bytes": stale_tokens(rt, cid, total) * bpt, "cache_state": accs[0].cache_state,
             "counterfactual_prefill": {k: v["prefill_tokens"] for k, v in cf.items()},
         })
 
@@ -140,7 +159,8 @@ class Replay:
         for row, t in zip(rows, d["turns"]):
             row["materialized_prefill_tokens"] = t["materialized_prefill_tokens"]  # set when the next turn claims the job
         self.rt.check_integrity()
-        self.rt.close()
+        if self.owns_runtime:
+            self.rt.close()
         return {"turns": rows, "final_kv_bytes": d["chain"]["kv_device_bytes"],
                 "final_sequence_tokens": d["chain"]["sequence_tokens"], "final_tree_bytes": rows[-1]["tree_bytes"],
                 "final_orphaned_bytes": rows[-1]["orphaned_bytes"], "final_stale_bytes": rows[-1]["stale_bytes"],
@@ -177,7 +197,8 @@ def summarize(reps: list[dict]) -> dict:
     return out
 
 
-def targets(res: dict, trace: dict, strict: dict) -> dict:
+def targets(res: dict, trace: dict, strict: dict = None) -> dict:
+    """The issue's targets; `strict` (the page-1 replay) is embedded only."""
     keep, dm, ed, st = (res[k] for k in ("keep", "drop_materialize", "engine_default", "strip_thinking_cache"))
     steps = [s for t in trace["turns"] for s in t["sizes"]]
     dropped = sum(s["reasoning_tokens"] + 1 for s in steps)  # R plus the <think> marker, per step
@@ -188,8 +209,8 @@ def targets(res: dict, trace: dict, strict: dict) -> dict:
     kv = dm["final_kv_bytes"] / keep["final_kv_bytes"]
     dm_tool = [x for t in dm["turns"] for x in t["tool_steps"]]
     st_tool = [x for t in st["turns"] for x in t["tool_steps"]]
-    strict_dm = [x["recomputed"] for t in strict["drop_materialize"]["turns"] for x in t["tool_steps"]]
-    strict_st = [x["recomputed"] for t in strict["strip_thinking_cache"]["turns"] for x in t["tool_steps"]]
+    strict_dm = [x["recomputed"] for t in strict["drop_materialize"]["turns"] for x in t["tool_steps"]] if strict else []
+    strict_st = [x["recomputed"] for t in strict["strip_thinking_cache"]["turns"] for x in t["tool_steps"]] if strict else [1]
     only_tail = all(x["recomputed"] == x["tail"] and x["uncached"] == x["new"] + x["tail"] for x in dm_tool)
     return {
         "ttft_and_kv": {"ttft_ratio": ttft, "ttft_limit": TTFT_LIMIT, "ttft_ratio_paired_median": paired,
@@ -202,7 +223,8 @@ def targets(res: dict, trace: dict, strict: dict) -> dict:
             "drop_materialize_page_tails": [x["tail"] for x in dm_tool],
             "met_strict_at_page_size": all(x["recomputed"] == 0 for x in dm_tool),
             "met_modulo_page_tail": only_tail,
-            "page1_drop_materialize_recomputed": strict_dm, "page1_strip_recomputed": strict_st,
+            "page1_drop_materialize_recomputed": strict_dm if strict else None,
+            "page1_strip_recomputed": strict_st if strict else None,
             "strip_recomputed": [x["recomputed"] for x in st_tool],
             "met": all(x["recomputed"] == 0 for x in dm_tool) and not any(strict_dm)
                    and all(x > 0 for x in strict_st) and all(x["recomputed"] > 0 for x in st_tool)},
@@ -221,8 +243,20 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res, labels = result["policies"], list(result["policies"])
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 5.2))
+    backends = result["backends"]
+    fig, axes = plt.subplots(len(backends), 3, figsize=(18, 5.2 * len(backends)), squeeze=False)
+    for row, (name, part) in zip(axes, backends.items()):
+        panels(row, part, name)
+    cfg = result["config"]
+    fig.suptitle(f"reasoning policies on {result['device']}: {cfg['turns']} turns, page {cfg['page_size']}, "
+                 f"scale {cfg['scale']}, seed {cfg['seed']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def panels(axes, part: dict, backend: str) -> None:
+    a, b, c = axes
+    res, labels = part["policies"], list(part["policies"])
     bottom = [0] * len(labels)
     for key, name in (("first_step_prefill", "first step (user msg)"), ("tool_chain_prefill", "tool-chain steps"),
                       ("idle_prefill_tokens", "idle-time materialization")):
@@ -233,14 +267,15 @@ def plot(result: dict, path: Path) -> None:
         a.annotate(f"{v:,}", (i, v), ha="center", va="bottom", fontsize=8)
     a.set_ylim(0, max(bottom) * 1.1)
     a.set_ylabel("prefill tokens (all turns)")
-    a.set_title("(a) prefill tokens by where they are spent")
+    a.set_title(f"[{backend}] (a) prefill tokens by where they are spent")
     a.legend(fontsize=8)
     for p in labels:
         b.plot(range(1, len(res[p]["turns"]) + 1), [t["ttft_ms"] for t in res[p]["turns"]], marker="o", label=p)
     b.set_yscale("log")
     b.set_xlabel("turn")
     b.set_ylabel("TTFT of the turn's first step, ms (log)")
-    b.set_title("(b) next-turn TTFT (" + ", ".join(f"{p} median of {n}" for p, n in result["reps"].items() if n > 1) + ")", fontsize=10)
+    b.set_title(f"[{backend}] (b) next-turn TTFT (" + ", ".join(
+        f"{p} median of {n}" for p, n in part["reps"].items() if n > 1) + ")", fontsize=10)
     b.xaxis.get_major_locator().set_params(integer=True)
     b.legend(fontsize=8, loc="upper right")
     mib, x, w = 2 ** 20, range(len(labels)), 0.27
@@ -249,19 +284,39 @@ def plot(result: dict, path: Path) -> None:
         c.bar([i + (j - 1) * w for i in x], [res[p][key] / mib for p in labels], w, label=name)
     c.set_xticks(list(x), labels)
     c.set_ylabel("KV MiB after the last turn")
-    c.set_title("(c) KV held vs orphaned")
+    c.set_title(f"[{backend}] (c) KV held vs orphaned")
     c.legend(fontsize=8, loc="upper center")
     for ax in (a, c):
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    cfg = result["config"]
-    fig.suptitle(f"reasoning policies on {result['device']}: {cfg['turns']} turns, page {cfg['page_size']}, "
-                 f"scale {cfg['scale']}, seed {cfg['seed']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+
+
+def run_backend(args, backend: str, trace: dict) -> dict:
+    """All policies on one backend; the embedded engine also replays at page size 1."""
+    t0, tokens = time.perf_counter(), trace["tokens"]
+    labels = [p for rep in range(args.reps) for p in (POLICIES if rep == 0 else TTFT_PAIR)]
+    strict = None
+    if backend == "embedded":
+        runs = play([Replay(args, p, trace, args.page_size, tokens) for p in labels], trace)
+        short = {**trace, "turns": trace["turns"][: min(2, args.turns)]}
+        strict = {p: r[0] for p, r in play([Replay(args, p, short, 1, tokens)
+                                            for p in ("drop_materialize", "strip_thinking_cache")], short).items()}
+    else:
+        rt = build_runtime(args, args.page_size, tokens, "sglang", len(labels))
+        print(f"[sglang] server up in {time.perf_counter() - t0:.1f}s", flush=True)
+        try:
+            runs = play([Replay(args, p, trace, args.page_size, tokens, rt, tenant=f"bench-{i}-{p}")
+                         for i, p in enumerate(labels)], trace)
+        finally:
+            rt.close()
+    res = {p: summarize(r) for p, r in runs.items()}
+    return {"reps": {p: len(r) for p, r in runs.items()}, "policies": res,
+            "page1_check": {p: r["turns"] for p, r in strict.items()} if strict else None,
+            "targets": targets(res, trace, strict), "wall_s": time.perf_counter() - t0}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="both", choices=["both", "embedded", "sglang"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -274,29 +329,30 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     trace = make_trace(args, build_template("deepseek", load_tokenizer("tiny")))
-    tokens = trace["tokens"]
-    labels = [p for rep in range(args.reps) for p in (POLICIES if rep == 0 else TTFT_PAIR)]
-    runs = play([Replay(args, p, trace, args.page_size, tokens) for p in labels], trace)
-    res = {p: summarize(r) for p, r in runs.items()}
-    short = {**trace, "turns": trace["turns"][: min(2, args.turns)]}
-    strict = {p: r[0] for p, r in play([Replay(args, p, short, 1, tokens)
-                                        for p in ("drop_materialize", "strip_thinking_cache")], short).items()}
+    names = ("embedded", "sglang") if args.backend == "both" else (args.backend,)
+    backends = {name: run_backend(args, name, trace) for name in names}
     result = {
         "device": args.device, "model": "tiny", "torch": torch.__version__, "threads": torch.get_num_threads(),
         "config": {"turns": args.turns, "seed": args.seed, "page_size": args.page_size, "scale": args.scale},
-        "reps": {p: len(r) for p, r in runs.items()}, "trace_sizes": [t["sizes"] for t in trace["turns"]],
-        "policies": res, "page1_check": {p: r["turns"] for p, r in strict.items()},
-        "targets": targets(res, trace, strict),
+        "trace_sizes": [t["sizes"] for t in trace["turns"]], "backends": backends,
+        "note": ("embedded: one Runtime per conversation, this process. sglang: SGLang's server with "
+                 "--radix-cache-backend session (launched by the Runtime, the tiny preset's weights), one Runtime, "
+                 "one tenant per conversation; tree figures are that tenant's namespace's device nodes "
+                 "(control channel `snapshot`), chain figures the scheduler's (`chain_tokens`). TTFT on SGLang is "
+                 "this client's time to the first streamed chunk of a forced step (SGLang reports no per-request "
+                 "prefill time). The page-1 strict check needs its own pool: embedded only."),
         "wall_s": time.perf_counter() - t0, "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]},
     }
     write_report("policies", result, plot)
-    for p, r in res.items():
-        tt = r["totals"]
-        print(f"{p:<21} prefill {tt['prefill_tokens']:>7,} (first {tt['first_step_prefill']:>6,} tool {tt['tool_chain_prefill']:>6,} "
-              f"idle {tt['idle_prefill_tokens']:>6,})  ttft {r['next_turn_ttft_median_ms']:7.1f} ms  "
-              f"final KV {r['final_kv_bytes'] / 2**20:6.1f} MiB  orphaned {r['final_orphaned_bytes'] / 2**20:6.1f} MiB")
-    for k, v in result["targets"].items():
-        print(f"target {k}: met={v['met']}")
+    for name, part in backends.items():
+        for p, r in part["policies"].items():
+            tt = r["totals"]
+            print(f"[{name}] {p:<21} prefill {tt['prefill_tokens']:>7,} (first {tt['first_step_prefill']:>6,} "
+                  f"tool {tt['tool_chain_prefill']:>6,} idle {tt['idle_prefill_tokens']:>6,}) recomputed "
+                  f"{tt['tool_chain_recomputed']:>5} ttft {r['next_turn_ttft_median_ms']:7.1f} ms  final KV "
+                  f"{r['final_kv_bytes'] / 2**20:6.1f} MiB  orphaned {r['final_orphaned_bytes'] / 2**20:6.1f} MiB")
+        for k, v in part["targets"].items():
+            print(f"[{name}] target {k}: met={v['met']}")
     print(f"wall {result['wall_s']:.1f}s -> {RESULTS}/policies.json, policies.png")
 
 

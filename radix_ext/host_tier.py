@@ -52,6 +52,7 @@ class HostEntry:
     nodes: tuple[TailNode, ...] = ()  # the tail's tree nodes, top-down, as snapshots show them
     moved_at: float = field(default_factory=time.monotonic)  # when it left the device
     namespace: tuple = (None, None)  # (extra_key, cache_salt) of its tree keys: who may share it
+    idle: bool = False  # left the device as an idle chain, not during a tool wait (SGLang's scheduler)
 
     @property
     def nbytes(self) -> int:
@@ -275,4 +276,46 @@ class HostTier:
 
 def timed_ms(start: float) -> float:
     return (time.perf_counter() - start) * 1e3
+
+
+def tail_nodes(nodes) -> tuple[TailNode, ...]:
+    """Snapshots of a demoted tail's tree nodes (a `TailPlan`'s, top-down)."""
+    return tuple(TailNode(n.id, len(n.key), n.hit_count) for n in nodes)
+
+
+def pick_shared(entries, owner: str, namespace: tuple, prompt, have: int, page_size: int,
+                chain_tokens) -> Optional[tuple[HostEntry, array, int]]:
+    """Host-prefix sharing: among other owners' host-only entries in `namespace`
+    whose chain still hangs at the entry's anchor, the one `prompt` shares
+    furthest, at least a page beyond `have` (what the device already gives the
+    prompt). The last prompt token is always computed. Returns (entry, the
+    entry's full tokens from the root, shared length) or None. Pure: reads only
+    its arguments (`chain_tokens(owner)` gives a chain's length)."""
+    limit = len(prompt) - 1
+    best, best_len = None, have + page_size - 1
+    for entry in entries:
+        end = entry.anchor_tokens + len(entry.tokens)
+        if (entry.owner == owner or entry.on_device or entry.namespace != namespace or end <= best_len
+                or chain_tokens(entry.owner) != entry.anchor_tokens):
+            continue
+        full = entry.prefix + entry.tokens
+        shared = common_prefix(full, prompt, min(end, limit))
+        if shared > best_len and shared > entry.anchor_tokens:
+            best, best_len = (entry, full, shared), shared
+    return best
+
+
+def common_prefix(a, b, limit: int) -> int:
+    """Common prefix length of two token sequences, at most `limit` (C-speed compares)."""
+    n = min(len(a), len(b), limit)
+    if n <= 0 or a[0] != b[0]:
+        return 0
+    lo, hi = 0, n  # a[:lo] == b[:lo]; binary search on slice equality
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if list(a[lo:mid]) == list(b[lo:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 

@@ -68,7 +68,8 @@ class NodeInfo:
     last_access_age_s: float
     residency: str
     owners: tuple[str, ...]
-    namespace: Optional[str]
+    namespace: Optional[str]  # the key's extra_key: model, tokenizer and template
+    cache_salt: Optional[str] = None  # the key's salt: the tenant
 
 
 @dataclass(frozen=True)
@@ -437,6 +438,7 @@ class SessionRadixCache(RadixCache):
                     residency="evicted" if node.evicted else ("both" if node.id in both else "device"),
                     owners=who,
                     namespace=node.key.extra_key,
+                    cache_salt=node.key.cache_salt,
                 )
             )
         return out

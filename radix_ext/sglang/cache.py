@@ -254,7 +254,18 @@ class SchedulerSessionCache(SessionRadixCache):
         return {"tokens": moved}
 
     def _cmd_promote(self, args: dict, scheduler: Any) -> dict:
-        return self.offload.promote(self, _owner(args), _key(args))
+        """The owner's own host copy comes back for its next request; else, with
+        `share`, another conversation's that the request's prompt continues."""
+        owner, key = _owner(args), _key(args)
+        share = args.get("share", False)
+        if not isinstance(share, bool):
+            raise BadCommand("share must be a boolean")
+        got = self.offload.promote(self, owner, key)
+        shared = not got["tokens"] and share
+        if shared:
+            got = self.offload.share(self, owner, key)
+        host = self.offload.host
+        return {**got, "shared": shared, "on_host": host is not None and host.peek(owner) is not None}
 
     def _cmd_host(self, args: dict, scheduler: Any) -> dict:
         return {"bytes": self.offload.bytes_of(_owner(args)), **self.offload.stats()}

@@ -61,7 +61,7 @@ class IdleChains:
         self.since.pop(owner, None)
         if owner not in cache.chains:
             return
-        if cache.offload.host is not None and cache.offload.demote(cache, owner):
+        if cache.offload.host is not None and cache.offload.demote(cache, owner, idle=True):
             self.stats[f"{why}_demoted"] += 1
             return
         cache.release_chain(owner)

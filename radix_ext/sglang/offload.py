@@ -13,6 +13,12 @@ tool wait, and a request the owner already queued blocks a demotion.
 Under pressure (a waiting request that cannot be admitted while nothing runs),
 conversations that wait for tools are demoted, oldest wait first, before any
 idle chain is released (`idle.py`).
+
+Host-resident prefixes are shared: a request whose prompt continues another
+conversation's host copy at least a page beyond what the device holds has that
+copy promoted first (`share`), back under its own owner's chain, so the request
+reuses it from the tree instead of prefilling it again. The owner goes back to
+waiting (or idle), so pressure can move it out again.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from radix_ext.host_tier import HostEntry, HostTier, TailNode, timed_ms
+from radix_ext.host_tier import HostEntry, HostTier, pick_shared, tail_nodes, timed_ms
 from radix_ext.kv_copy import KVMover
 
 
@@ -36,10 +42,10 @@ class SchedulerHostTier:
             self.host = HostTier(self.mover.empty(tokens))
         return self.host
 
-    def demote(self, cache, owner: str) -> int:
-        """Copy the owner's exclusive tail to the host and free its device pages.
-        Returns the tokens moved (0: nothing exclusive, no room, or a request of
-        the owner is queued)."""
+    def demote(self, cache, owner: str, idle: bool = False) -> int:
+        """Copy the owner's exclusive tail to the host and free its device pages
+        (`idle`: it is an idle chain, not a tool wait). Returns the tokens moved
+        (0: nothing exclusive, no room, or a request of the owner is queued)."""
         self.waiting.pop(owner, None)
         if self.host is None or owner in cache._offers or self.host.peek(owner) is not None:
             return 0
@@ -56,9 +62,9 @@ class SchedulerHostTier:
             self.host.cancel(res)
             raise
         anchor = cache.chain_tokens(owner) - len(plan.tokens)
-        nodes = tuple(TailNode(n.id, len(n.key), n.hit_count) for n in plan.nodes)
         entry = HostEntry(owner, anchor, plan.anchor.id, plan.tokens, res.start, res.kv,
-                          prefix=cache.path_tokens(plan.anchor), nodes=nodes)
+                          prefix=cache.path_tokens(plan.anchor), nodes=tail_nodes(plan.nodes),
+                          namespace=(plan.tail.key.extra_key, plan.tail.key.cache_salt), idle=idle)
         self.host.commit(entry, res, timed_ms(t), copied_tokens=len(plan.tokens))
         cache.drop_tail(plan)
         return len(plan.tokens)
@@ -92,6 +98,37 @@ class SchedulerHostTier:
         self.host.take(owner)
         first = max(start, prefix_len)
         return {"anchor": first, "tokens": end - first}
+
+    def share(self, cache, owner: str, key) -> dict:
+        """Promote another conversation's host copy that `key` (this owner's next
+        prompt) shares at least a page beyond what the device gives it. Returns
+        {"anchor", "tokens"}: the page-aligned shared span this request reuses
+        from the host, tokens 0 when none."""
+        none = {"anchor": 0, "tokens": 0}
+        if self.host is None or not self.host.entries:
+            return none
+        ns = (key.extra_key, key.cache_salt)
+        entries = list(self.host.entries.values())
+        if not any(e.owner != owner and e.namespace == ns for e in entries):
+            return none  # the common case: no probe
+        prompt = key.token_ids
+        have = max(cache.probe(key[: len(key) - 1]).device_len, cache.chain_tokens(owner))
+        best = pick_shared(entries, owner, ns, prompt, have, cache.page_size, cache.chain_tokens)
+        if best is None:
+            return none
+        entry, full, shared = best
+        got = self.promote(cache, entry.owner, type(key)(full, extra_key=key.extra_key, cache_salt=key.cache_salt))
+        if not got["tokens"]:
+            return none
+        if entry.idle:  # back to what it was: pressure may move it out again
+            cache.idle.mark(entry.owner, cache.idle.ttl_s)
+        else:
+            self.waiting[entry.owner] = entry.moved_at
+        # Reuse across conversations is page-aligned, as SGLang's match is.
+        reused = shared // cache.page_size * cache.page_size
+        tokens = max(0, min(reused, got["anchor"] + got["tokens"]) - got["anchor"])
+        self.host.stats.shared_tokens += tokens
+        return {"anchor": got["anchor"], "tokens": tokens}
 
     def forget(self, owner: str) -> None:
         self.waiting.pop(owner, None)

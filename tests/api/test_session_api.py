@@ -332,7 +332,7 @@ def test_debug_tree(client, rt):
     assert full["chains"][cid] == cached
     assert set(full["chains"]) == set(rt.conversations)
     keys = {"id", "parent", "tokens", "depth_tokens", "preview", "hit_count", "lock_count", "last_access_age_s",
-            "residency", "owners", "namespace"}
+            "residency", "owners", "namespace", "cache_salt"}
     assert all(set(n) == keys for n in full["nodes"])
     mine = client.get("/debug/tree", params={"conversation": cid}).json()
     assert mine["page_size"] == PAGE and mine["chains"] == full["chains"]

@@ -134,6 +134,48 @@ def test_tool_wait_offload_in_the_scheduler_is_exact(sglang_runtime):
     rt.check_integrity()
 
 
+def test_a_prefix_on_the_scheduler_host_tier_is_shared_not_prefilled_again(sglang_runtime):
+    """A waits for a tool with its chain in the scheduler's host tier; B, with
+    the same system prompt, has A's copy promoted back under A's chain and
+    reuses it from the tree instead of prefilling it twice: the accounting
+    counts it as host_loaded, and B computes what a twin pair that never
+    offloaded computes. A's own next step then reloads nothing."""
+    rt = sglang_runtime
+    system = "Sharing the host tier between conversations. " * 12
+    tool = {"reasoning": "A tool first. " * 4, "tool_calls": [{"name": "f", "arguments": {"x": 1}}]}
+    answer = {"content": "Fine."}
+    cids = {}
+    try:
+        for tenant, offload in (("zw-share", "always"), ("zw-share-twin", "never")):
+            cids[tenant] = rt.create_conversation(system=system, policy="drop", offload=offload, tenant=tenant)
+        calls = {t: rt.send_message(c, "Use the tool.", forced=tool).tool_calls for t, c in cids.items()}
+        a = cids["zw-share"]
+        held = rt.backend.chain_tokens(a)
+        moved = rt.offload.run_due()
+        assert moved > 0 and rt.backend.chain_tokens(a) == held - moved
+        shared_before = rt.backend.pools()["host"].get("shared_tokens", 0)
+        for tenant in list(cids):
+            cids[tenant + "/b"] = rt.create_conversation(system=system, policy="drop", tenant=tenant)
+        got, ref = (rt.send_message(cids[t + "/b"], "Something else.", forced=answer, logprobs=True)
+                    for t in ("zw-share", "zw-share-twin"))
+        acc = got.accounting
+        assert acc.host_loaded_tokens > 0
+        assert rt.backend.pools()["host"]["shared_tokens"] - shared_before == acc.host_loaded_tokens
+        assert acc.cached_input_tokens + acc.host_loaded_tokens == ref.accounting.cached_input_tokens
+        assert acc.uncached_prefill_tokens == ref.accounting.uncached_prefill_tokens
+        assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-3)
+        assert rt.backend.chain_tokens(a) == held and rt.backend.host_bytes(a) == 0  # moved back, not copied
+        rt.backend.check_integrity()
+        after = {t: rt.send_tool_results(cids[t], [{"tool_call_id": calls[t][0]["id"], "content": "ok"}],
+                                         forced=answer).accounting for t in ("zw-share", "zw-share-twin")}
+        assert after["zw-share"].host_loaded_tokens == 0
+        assert after["zw-share"].cached_input_tokens == after["zw-share-twin"].cached_input_tokens
+    finally:
+        for cid in cids.values():
+            rt.delete_conversation(cid)
+    rt.check_integrity()
+
+
 def test_idle_chains_do_not_starve_a_new_conversation(sglang_runtime):
     """Pool 2048: three idle conversations hold about 1,900 tokens of it. SGLang
     would queue a fourth conversation forever behind their locks; the

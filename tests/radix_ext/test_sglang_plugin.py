@@ -316,10 +316,42 @@ def test_tool_wait_demote_and_promote_in_the_scheduler_are_bit_identical(served_
     with pytest.raises(BadCommand):
         client.call("demote", owner="t", host_tokens=-1)
     got = client.call("promote", owner="t", tokens=tokens + [9, 9])
-    assert got == {"anchor": 4, "tokens": 10}
+    assert got == {"anchor": 4, "tokens": 10, "shared": False, "on_host": False}
     with lock:
         assert cache.chain_tokens("t") == 14 and cache.tails["t"].tokens.tolist() == tokens[12:]
         slots = cache.chain_slots("t")
         assert all(torch.equal(k[slots], b) for k, b in zip(pools.kv.k_buffer, before))
-    assert client.call("promote", owner="t", tokens=tokens) == {"anchor": 0, "tokens": 0}  # nothing left on the host
+    nothing = {"anchor": 0, "tokens": 0, "shared": False, "on_host": False}
+    assert client.call("promote", owner="t", tokens=tokens) == nothing  # nothing left on the host
+    client.call("check")
+
+
+def test_a_host_copy_is_shared_with_a_prompt_that_continues_it(served_cache):
+    """Another owner's prompt that shares t's host copy at least a page beyond
+    the device tree promotes it back under t's chain (bit-identical), counts
+    only the shared span, and t waits again; another namespace, or a prompt
+    that shares less than a page more, gets nothing."""
+    cache, client, pools, lock = served_cache
+    tokens = list(range(500, 514))
+    _finish(cache, pools, lock, "shared", tokens[:4])
+    _finish(cache, pools, lock, "t", tokens[:12])
+    with lock:
+        slots = cache.chain_slots("t")
+        for k in pools.kv.k_buffer:
+            k[slots] = torch.randn(k[slots].shape)
+        before = [k[slots].clone() for k in pools.kv.k_buffer]
+    assert client.call("demote", owner="t", host_tokens=64) == {"tokens": 8}
+    none = {"anchor": 0, "tokens": 0, "shared": True, "on_host": False}
+    assert client.call("promote", owner="u", tokens=tokens[:12] + [7] * 5, share=True, extra_key="x") == none
+    assert client.call("promote", owner="u", tokens=tokens[:7] + [7] * 5, share=True) == none  # 3 tokens beyond the page
+    assert client.call("host", owner="t")["bytes"] > 0  # neither moved it
+    got = client.call("promote", owner="u", tokens=tokens[:10] + [7] * 5, share=True)
+    assert got == {"anchor": 4, "tokens": 4, "shared": True, "on_host": False}  # 10 shared, 8 page-aligned
+    with lock:
+        assert cache.chain_tokens("t") == 12 and "t" in cache.offload.waiting
+        assert cache.offload.host.stats.shared_tokens == 4
+        slots = cache.chain_slots("t")
+        assert all(torch.equal(k[slots], b) for k, b in zip(pools.kv.k_buffer, before))
+    with pytest.raises(BadCommand):
+        client.call("promote", owner="u", tokens=tokens, share="yes")
     client.call("check")

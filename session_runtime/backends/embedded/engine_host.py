@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from radix_ext.host_tier import EvictedTail, HostEntry, Reservation, TailNode, timed_ms
+from radix_ext.host_tier import EvictedTail, HostEntry, Reservation, pick_shared, tail_nodes, timed_ms
 from radix_ext.tree import Namespace, NodeInfo, TailPlan
 
 
@@ -70,24 +70,16 @@ class HostTierOps:
         to it, its host copy stays). Returns (first reloaded position, tokens),
         (0, 0) when nothing is shared."""
         ns = (namespace.extra_key, namespace.cache_salt)
-        candidates = [(o, e) for o, e in list(self.host.entries.items())
-                      if o != owner and not e.on_device and e.namespace == ns]
-        if not candidates:  # the common case: no probe, nothing to read
-            return 0, 0
-        ps, limit = self.page_size, len(prompt) - 1
-        have = self.tree.probe(namespace.key(prompt[:limit])).device_len
-        best, best_len = None, have + ps - 1
-        for other, entry in candidates:
-            end = entry.anchor_tokens + len(entry.tokens)
-            if end <= best_len or self.tree.chain_tokens(other) != entry.anchor_tokens:
-                continue
-            full = entry.prefix + entry.tokens
-            shared = _lcp(full, prompt, min(end, limit))
-            if shared > best_len and shared > entry.anchor_tokens:
-                best, best_len = (other, entry, full), shared
+        entries = list(self.host.entries.values())
+        if not any(e.owner != owner and not e.on_device and e.namespace == ns for e in entries):
+            return 0, 0  # the common case: no probe, nothing to read
+        limit = len(prompt) - 1
+        have = max(self.tree.probe(namespace.key(prompt[:limit])).device_len, self.tree.chain_tokens(owner))
+        best = pick_shared(entries, owner, ns, prompt, have, self.page_size, self.tree.chain_tokens)
         if best is None:
             return 0, 0
-        other, entry, full = best
+        entry, full, _ = best
+        other = entry.owner
         slots = self._alloc_for(other, entry)
         if slots is None:
             return 0, 0
@@ -193,7 +185,7 @@ class HostTierOps:
             if plan is None:  # nothing to free, or the tail is on the host already
                 return 0
             tail = EvictedTail(owner, self.tree.chain_tokens(owner) - len(plan.tokens), plan.anchor.id,
-                               plan.tokens, _tail_nodes(plan))
+                               plan.tokens, tail_nodes(plan.nodes))
             self.tree.drop_tail(plan)
             self.host.take(owner)
             self.host.record_evicted(tail)
@@ -264,7 +256,7 @@ class HostTierOps:
         anchor_depth = self.tree.chain_tokens(plan.owner) - len(plan.tokens)
         start, kv = (reuse.start, reuse.kv) if res is None else (res.start, res.kv)
         entry = HostEntry(plan.owner, anchor_depth, plan.anchor.id, plan.tokens, start, kv,
-                          prefix=self.tree.path_tokens(plan.anchor), nodes=_tail_nodes(plan),
+                          prefix=self.tree.path_tokens(plan.anchor), nodes=tail_nodes(plan.nodes),
                           namespace=(plan.tail.key.extra_key, plan.tail.key.cache_salt))
         self.host.commit(entry, res, copy_ms, copied_tokens=len(plan.tokens) - job.held)
         self.tree.drop_tail(plan)
@@ -317,25 +309,6 @@ class HostTierOps:
                                     preview=preview(list(e.tokens[offset : offset + 16])), hit_count=node.hit_count,
                                     lock_count=0, last_access_age_s=round(now - e.moved_at, 3),
                                     residency=residency, owners=(e.owner,),
-                                    namespace=None))
+                                    namespace=e.namespace[0], cache_salt=e.namespace[1]))
                 parent = node.id
         return out
-
-
-def _lcp(a, b, limit: int) -> int:
-    """Common prefix length of two token sequences, at most `limit` (C-speed compares)."""
-    n = min(len(a), len(b), limit)
-    if n <= 0 or a[0] != b[0]:
-        return 0
-    lo, hi = 0, n  # a[:lo] == b[:lo]; binary search on slice equality
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if list(a[lo:mid]) == list(b[lo:mid]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _tail_nodes(plan: TailPlan) -> tuple[TailNode, ...]:
-    return tuple(TailNode(n.id, len(n.key), n.hit_count) for n in plan.nodes)

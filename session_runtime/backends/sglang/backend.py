@@ -46,7 +46,7 @@ class SGLangBackend(Backend):
                  timeout_s: float = 600.0, host_tokens: int = 0):
         self.url = url.rstrip("/")
         self.host_tokens = host_tokens  # the scheduler's host tier, allocated by its first demotion
-        self._maybe_on_host: set[str] = set()  # owners a tool wait may have demoted
+        self._maybe_on_host: set[str] = set()  # owners a tool wait or idle retirement may have demoted
         self._reloaded: dict[str, tuple[int, int]] = {}  # owner -> (anchor, tokens) promoted for its next step
         self.control = control
         self.page_size = page_size
@@ -294,12 +294,15 @@ class SGLangBackend(Backend):
         return self._call("demote", owner=owner, host_tokens=self.host_tokens, copy=copy)["tokens"]
 
     def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
-        """Promote the owner's host copy (if a tool wait demoted it) before its
-        next request; that request's accounting counts it as host_loaded."""
-        if owner not in self._maybe_on_host:
+        """Promote the owner's host copy (if a tool wait or idle retirement
+        demoted it) before its next request, or else another conversation's host
+        copy that the prompt shares; that request's accounting counts what it
+        reuses of it as host_loaded. No round trip while nothing can be on the host."""
+        if not self._maybe_on_host:
             return
-        got = self._call("promote", owner=owner, tokens=list(prompt), **_ns(namespace))
-        self._maybe_on_host.discard(owner)
+        got = self._call("promote", owner=owner, tokens=list(prompt), share=True, **_ns(namespace))
+        if not got.get("on_host"):
+            self._maybe_on_host.discard(owner)
         if got["tokens"]:
             self._reloaded[owner] = (got["anchor"], got["tokens"])
 
