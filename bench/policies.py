@@ -87,8 +87,10 @@ def make_trace(args, tpl) -> dict:
 def build_runtime(args, page_size: int, tokens: int, backend: str = "embedded", conversations: int = 1) -> Runtime:
     # Room for both branches of every conversation: nothing is ever evicted.
     pool = -(-3 * tokens * conversations // page_size) * page_size + 16384
+    # `tokens` bounds the keep sequence from above; SGLang refuses a context past the model's (40,960 for tiny).
+    context = 2 * tokens + 4096 if backend == "embedded" else tokens + 4096
     return Runtime(RuntimeConfig(model="tiny", backend=backend, device=args.device, page_size=page_size,
-                                 pool_tokens=pool, max_context=2 * tokens + 4096, data_dir=None, offload="never",
+                                 pool_tokens=pool, max_context=context, data_dir=None, offload="never",
                                  idle_ttl_s=0), background=False)
 
 

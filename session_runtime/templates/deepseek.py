@@ -24,35 +24,51 @@ from session_runtime.templates.base import (
     message_groups,
     tool_schema,
 )
-from session_runtime.tokenizer import Tokenizer
+from session_runtime.tokenizer import Piece, Tokenizer
 
 DSML = "｜DSML｜"
+# The official text (encoding_dsv32.py's TOOLS_SYSTEM_TEMPLATE, thinking mode).
 _TOOLS_HEADER = (
     "## Tools\nYou have access to a set of tools you can use to answer the user's question.\n"
     f'You can invoke functions by writing a "<{DSML}function_calls>" block like the following '
     "as part of your reply to the user:\n"
     f'<{DSML}function_calls>\n<{DSML}invoke name="$FUNCTION_NAME">\n'
     f'<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML}parameter>\n'
-    f"...\n</{DSML}invoke>\n</{DSML}function_calls>\n"
-    "Here are the functions available in JSONSchema format:\n<functions>\n{schemas}\n</functions>\n"
+    f"...\n</{DSML}invoke>\n"
+    f'<{DSML}invoke name="$FUNCTION_NAME2">\n...\n</{DSML}invoke>\n'
+    f"</{DSML}function_calls>\n"
+    "String and scalar parameters should be specified as is without any escaping or quotes, while lists and "
+    'objects should use JSON format. The "string" attribute should be set to "true" for string type parameters '
+    'and "false" for other types (numbers, booleans, arrays, objects).\n'
+    "If the thinking_mode is enabled, then after function results you should strongly consider outputting a "
+    "thinking block. Here is an example:\n"
+    f"<{DSML}function_calls>\n...\n</{DSML}function_calls>\n"
+    "<function_results>\n...\n</function_results>\n"
+    "<think>...thinking about results</think>\n"
+    "Here are the functions available in JSONSchema format:\n<functions>\n"
 )
+_TOOLS_FOOTER = "\n</functions>\n"
 _INVOKE = re.compile(rf'<{DSML}invoke name="([^"]*)">\n(.*?)\n?</{DSML}invoke>', re.S)
 _PARAM = re.compile(rf'<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>', re.S)
 _CALLS_START = f"\n\n<{DSML}function_calls>"
 
 
-def _dsml_calls(calls: Sequence[ToolCall]) -> str:
+def _dsml_calls(calls: Sequence[ToolCall]) -> list[Piece]:
+    """The tool-call markup as pieces: the template's text trusted, names, keys
+    and values the client's (never a control token)."""
     if not calls:
-        return ""
-    invokes = []
-    for call in calls:
-        params = "\n".join(
-            f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-            f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{DSML}parameter>"
-            for k, v in call.arguments.items()
-        )
-        invokes.append(f'<{DSML}invoke name="{call.name}">\n{params}\n</{DSML}invoke>')
-    return f"{_CALLS_START}\n" + "\n".join(invokes) + f"\n</{DSML}function_calls>"
+        return []
+    out: list[Piece] = [(f"{_CALLS_START}\n", True)]
+    for i, call in enumerate(calls):
+        out += [("\n" if i else "", True), (f'<{DSML}invoke name="', True), (call.name, False), ('">\n', True)]
+        for j, (k, v) in enumerate(call.arguments.items()):
+            value = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+            out += [("\n" if j else "", True), (f'<{DSML}parameter name="', True), (k, False),
+                    (f'" string="{"true" if isinstance(v, str) else "false"}">', True), (value, False),
+                    (f"</{DSML}parameter>", True)]
+        out.append((f"\n</{DSML}invoke>", True))
+    out.append((f"\n</{DSML}function_calls>", True))
+    return out
 
 
 def _parse_calls(text: str, call_id_base: str) -> tuple[str, tuple[ToolCall, ...]]:
@@ -105,12 +121,11 @@ class DeepSeekTemplate:
     ) -> Rendered:
         out = Rendered()
         out.add("bos", [self.bos])
-        ids = self.tok.encode_text(system) if system else []
-        if tools:
-            # The template's own text: its markup tokenizes as the model saw it in training.
+        pieces: list[Piece] = [(system or "", False)]
+        if tools:  # the official header follows the system text (even none) after a blank line
             schemas = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in tools)
-            ids += self.tok.encode(("\n\n" if ids else "") + _TOOLS_HEADER.replace("{schemas}", schemas))
-        out.add("system", ids)
+            pieces += [("\n\n" + _TOOLS_HEADER, True), (schemas, False), (_TOOLS_FOOTER, True)]
+        out.add("system", self.tok.encode_pieces(pieces))
         for role, group in message_groups(messages):
             kept = keep(group[0].turn)
             if role == "user":
@@ -127,23 +142,36 @@ class DeepSeekTemplate:
 
     def _render_assistant(self, out: Rendered, msg: Message, keep: bool) -> None:
         parsed = self.parse_output(msg.output_ids, "")
-        if keep:
+        if keep:  # inside the open turn: exactly the generated sequence
             out.add("reasoning", parsed.reasoning_ids)
             out.add("reasoning_end", [self.end_think] if self.end_think in msg.output_ids else [])
-        out.add("answer", parsed.answer_ids)
+            out.add("answer", parsed.answer_ids)
+        else:  # a closed turn that dropped its reasoning: the official rendering
+            out.add("answer", self._official_answer(parsed))
         out.add("eos", [self.eos])
 
+    def _official_answer(self, parsed: ParsedOutput) -> list[int]:
+        """The answer's ids as the official renderer tokenizes its text (content
+        and calls as one string); the generated ids when the calls do not
+        render back to the same text (malformed markup)."""
+        ids = self.tok.encode_pieces([(parsed.content, False), *_dsml_calls(parsed.tool_calls)])
+        return ids if ids == parsed.answer_ids or self.tok.decode(ids) == self.tok.decode(parsed.answer_ids) \
+            else parsed.answer_ids
+
     def _render_results(self, out: Rendered, results: Sequence[Message], keep: bool) -> None:
-        text = "\n\n<function_results>" + "".join(f"\n<result>{m.content}</result>" for m in results)
-        out.add("tool_result", self.tok.encode_text(text + "\n</function_results>\n\n"))
+        pieces: list[Piece] = [("\n\n<function_results>", True)]
+        for m in results:
+            pieces += [("\n<result>", True), (m.content, False), ("</result>", True)]
+        out.add("tool_result", self.tok.encode_pieces([*pieces, ("\n</function_results>\n\n", True)]))
         self._marker(out, keep)
 
     def forced_ids(self, reasoning: str, content: str, tool_calls: Sequence[ToolCall] = ()) -> list[int]:
         """Ids of an assistant output given as text (trace replay, client history)."""
-        # The call markup is the template's (tokenized as the model writes it);
-        # reasoning and content are text that never becomes a control token.
-        calls = self.tok.encode(_dsml_calls(tool_calls)) if tool_calls else []
-        return [*self.tok.encode_text(reasoning), self.end_think, *self.tok.encode_text(content), *calls, self.eos]
+        # Content and the call markup tokenize as one string, as the official
+        # renderer's; the markup's tokens are the template's, the client's text
+        # (reasoning, content, names, arguments) never becomes a control token.
+        answer = self.tok.encode_pieces([(content, False), *_dsml_calls(tool_calls)])
+        return [*self.tok.encode_text(reasoning), self.end_think, *answer, self.eos]
 
     def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput:
         ids = list(ids)

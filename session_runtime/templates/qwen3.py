@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import unicodedata
 from typing import Optional, Sequence
 
 from session_runtime.templates.base import (
@@ -25,16 +26,35 @@ from session_runtime.templates.base import (
     message_groups,
     tool_schema,
 )
-from session_runtime.tokenizer import Tokenizer
+from session_runtime.tokenizer import Piece, Tokenizer
 
+# The official text (Qwen3's chat template); the schemas go between the two parts.
 _TOOLS = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{schemas}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_END = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
 _CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
+
+
+def _openai_tool(tool: dict) -> dict:
+    """The whole OpenAI tool object, as SGLang, vLLM and transformers pass it to the
+    template (`tool | tojson`); a bare function is wrapped."""
+    return tool if isinstance(tool, dict) and "function" in tool else {"type": "function", "function": tool_schema(tool)}
+
+
+def _calls(content: str, calls: Sequence[ToolCall]) -> list[Piece]:
+    """The official tool-call markup after `content`: a newline before each call
+    but a first one that follows no content; names and arguments are client text."""
+    out: list[Piece] = []
+    for i, c in enumerate(calls):
+        out += [("\n" if i or content else "", True), ('<tool_call>\n{"name": "', True), (c.name, False),
+                ('", "arguments": ', True), (json.dumps(c.arguments, ensure_ascii=False), False), ("}\n</tool_call>", True)]
+    return out
 
 
 class Qwen3Template:
@@ -61,6 +81,11 @@ class Qwen3Template:
     def _header(self, role: str) -> list[int]:
         return [self.im_start, *self.tok.encode(f"{role}\n")]
 
+    def _block(self, pieces: Sequence[Piece]) -> list[int]:
+        """`<|im_start|>` + one run (role header and text tokenize together, as
+        the official rendering's) + `<|im_end|>\n`."""
+        return [self.im_start, *self.tok.encode_pieces(pieces), self.im_end, *self.newline]
+
     def render(
         self,
         system: Optional[str],
@@ -70,27 +95,24 @@ class Qwen3Template:
         generation_prompt: bool = True,
     ) -> Rendered:
         out = Rendered()
-        ids = self.tok.encode_text(system) if system else []
         if tools:
-            schemas = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in tools)
-            # The instructions name the call tags: those are the tags' tokens.
-            ids += self.tok.encode_text("\n\n") if ids else []
-            ids += self._answer_ids(_TOOLS.replace("{schemas}", schemas))
-        if ids:
-            out.add("system", [*self._header("system"), *ids, self.im_end, *self.newline])
+            pieces: list[Piece] = [("system\n", True)]
+            if system is not None:
+                pieces += [(system, False), ("\n\n", True)]
+            schemas = [p for t in tools for p in (("\n", True), (json.dumps(_openai_tool(t), ensure_ascii=False), False))]
+            out.add("system", self._block([*pieces, (_TOOLS, True), *schemas, (_TOOLS_END, True)]))
+        elif system is not None:
+            out.add("system", self._block([("system\n", True), (system, False)]))
         for role, group in message_groups(messages):
             if role == "user":
-                out.add("user", [*self._header("user"), *self.tok.encode_text(group[0].content), self.im_end,
-                                 *self.newline])
+                out.add("user", self._block([("user\n", True), (group[0].content, False)]))
             elif role == "assistant":
-                out.add("generation_prompt", self._header("assistant"))
                 self._render_assistant(out, group[0], keep(group[0].turn))
             else:
-                ids = [*self._header("user")[:-len(self.newline)]]
+                pieces = [("user", True)]
                 for m in group:
-                    ids += [*self.newline, self.tool_response, *self.tok.encode_text(f"\n{m.content}\n"),
-                            self.end_tool_response]
-                out.add("tool_result", [*ids, self.im_end, *self.newline])
+                    pieces += [("\n<tool_response>\n", True), (m.content, False), ("\n</tool_response>", True)]
+                out.add("tool_result", self._block(pieces))
         if generation_prompt and messages and messages[-1].role != "assistant":
             out.add("generation_prompt", self._header("assistant"))
         return out
@@ -99,12 +121,21 @@ class Qwen3Template:
         ids = list(msg.output_ids)
         if ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]
-        if keep:
-            out.add("output", ids)  # exactly as generated: think block, answer, calls
+        if keep:  # inside the open turn: exactly as generated (think block, answer, calls)
+            out.add("generation_prompt", self._header("assistant"))
+            out.add("output", ids)
+            out.add("eos", [self.im_end, *self.newline])
+            return
+        # A closed turn that dropped its reasoning: the official rendering of the
+        # message's content and calls, header and answer as one run; the generated
+        # answer when that is not the same text (markup that did not parse).
+        answer = ids[ids.index(self.end_think) + 1 :] if self.end_think in ids else ids
+        pieces = [(msg.content, False), *_calls(msg.content, msg.tool_calls)]
+        text = unicodedata.normalize("NFC", "".join(p for p, _ in pieces))  # as the tokenizer normalizes
+        if text.strip("\n") == self.tok.decode(answer).strip("\n"):
+            out.add("answer", self._block([("assistant\n", True), *pieces]))
         else:
-            answer = ids[ids.index(self.end_think) + 1 :] if self.end_think in ids else ids
-            out.add("answer", self._answer_ids(self.tok.decode(answer).lstrip("\n")))
-        out.add("eos", [self.im_end, *self.newline])
+            out.add("answer", [*self._header("assistant"), *answer, self.im_end, *self.newline])
 
     def strip_reasoning(self, msg: Message) -> Message:
         """The canonical form of an assistant message whose turn drops its reasoning."""
@@ -113,23 +144,13 @@ class Qwen3Template:
         return dataclasses.replace(msg, reasoning="", output_ids=(self.think, self.end_think, *answer))
 
     def forced_ids(self, reasoning: str, content: str, tool_calls: Sequence[ToolCall] = ()) -> list[int]:
-        calls = "".join(
-            "\n<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False) + "\n</tool_call>"
-            for c in tool_calls
-        )
-        return [self.think, *self.tok.encode_text(f"\n{reasoning}\n"), self.end_think,
-                *self._answer_ids(f"\n\n{content}{calls}"), self.im_end]
-
-    def _answer_ids(self, text: str) -> list[int]:
-        """Answer text as ids: the tool-call tags the template writes become their
-        tokens, everything else stays plain text."""
-        ids: list[int] = []
-        for i, part in enumerate(re.split(r"(<tool_call>|</tool_call>)", text)):
-            if i % 2:
-                ids.append(self.tool_call if part == "<tool_call>" else self.end_tool_call)
-            elif part:
-                ids += self.tok.encode_text(part)
-        return ids
+        """An assistant output given as text, as the official template writes the
+        last assistant message: reasoning and content stripped of the newlines it
+        adds itself; the call markup the template's, names and arguments text."""
+        content = content.lstrip("\n")
+        answer = self.tok.encode_pieces([("\n\n", True), (content, False), *_calls(content, tool_calls)])
+        return [self.think, *self.tok.encode_text(f"\n{reasoning.strip(chr(10))}\n"), self.end_think, *answer,
+                self.im_end]
 
     def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput:
         ids = list(ids)

@@ -114,18 +114,12 @@ def test_tools_are_rendered_into_the_prompt(client, rt):
     a = step_ok(msg(client, plain, content="Hi", forced={"content": "ok"}))["accounting"]
     b = step_ok(msg(client, with_tools, content="Hi", forced={"content": "ok"}))["accounting"]
     assert a["prompt_tokens"] == first_prompt_len(rt, "Tools in the prompt.", "Hi")
-    # The user's system text and the template's tools block are tokenized apart.
-    header = "\n\n" + (
-        "## Tools\nYou have access to a set of tools you can use to answer the user's question.\n"
-        'You can invoke functions by writing a "<｜DSML｜function_calls>" block like the following '
-        "as part of your reply to the user:\n"
-        '<｜DSML｜function_calls>\n<｜DSML｜invoke name="$FUNCTION_NAME">\n'
-        '<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>\n'
-        "...\n</｜DSML｜invoke>\n</｜DSML｜function_calls>\n"
-        "Here are the functions available in JSONSchema format:\n<functions>\n"
-        + json.dumps(tools[0]["function"]) + "\n</functions>\n"
-    )
-    assert b["prompt_tokens"] == first_prompt_len(rt, "Tools in the prompt.", "Hi") + len(rt.tokenizer.encode(header))
+    # The official encoder's prompt, tokenized whole (tests/session_runtime/test_template_fidelity.py).
+    from sglang.srt.entrypoints.openai.encoding_dsv32 import encode_messages
+
+    official = encode_messages([{"role": "system", "content": "Tools in the prompt.", "tools": tools},
+                                {"role": "user", "content": "Hi"}], thinking_mode="thinking")
+    assert b["prompt_tokens"] == len(rt.tokenizer.encode(official))
     # The two prompts differ right after the system text, inside the first page.
     assert b["cached_input_tokens"] == 0
 

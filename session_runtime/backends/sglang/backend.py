@@ -291,6 +291,7 @@ class SGLangBackend(Backend):
         self._call("wait", owner=owner, host_tokens=self.host_tokens)
 
     def demote(self, owner: str, copy: bool = True) -> int:
+        self._maybe_on_host.add(owner)  # the next step promotes what moved
         return self._call("demote", owner=owner, host_tokens=self.host_tokens, copy=copy)["tokens"]
 
     def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
