@@ -34,7 +34,7 @@ from session_runtime import PoolExhausted, Runtime, RuntimeConfig
 from radix_ext.host_tier import TransferStats
 from session_runtime.offload import OffloadSettings
 
-from report import RESULTS, write_report  # noqa: E402  (bench/ is on sys.path when run)
+from report import RESULTS, plot_backends, write_report  # noqa: E402  (bench/ is on sys.path when run)
 MODES = ("never", "always", "ttl", "pressure", "discard")
 WORDS = "alpha beta gamma delta search file result check value plan".split()  # one DeepSeek token each
 TOOL_MEAN_S, ARRIVAL_MEAN_S, TTL_S, PS = 3.0, 0.5, 2.0, 16
@@ -297,18 +297,9 @@ def copy_ceiling_GBps(nbytes: int, pinned: bool, reps: int = 5) -> float:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    backends = result["backends"]
-    fig, axes = plt.subplots(len(backends), 3, figsize=(19, 5.2 * len(backends)), squeeze=False)
-    for row, (name, part) in zip(axes, backends.items()):
-        panels(row, part, name)
-    fig.suptitle(f"tool-wait offload, {result['agents']} agents x {result['context']} tokens on {result['device']} "
-                 f"({result['threads']} threads, load {result['loadavg_1m']['start']:.1f})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_backends(result, path, panels, width=19, title=(
+        f"tool-wait offload, {result['agents']} agents x {result['context']} tokens on {result['device']} "
+        f"({result['threads']} threads, load {result['loadavg_1m']['start']:.1f})"))
 
 
 def panels(axes, part: dict, backend: str) -> None:

@@ -37,7 +37,7 @@ from session_runtime.runtime import Runtime
 from session_runtime.templates import ToolCall, build_template
 from session_runtime.tokenizer import load_tokenizer
 
-from report import RESULTS, write_report  # noqa: E402  (bench/ is on sys.path when run)
+from report import RESULTS, plot_backends, write_report  # noqa: E402  (bench/ is on sys.path when run)
 WORDS = ("alpha beta gamma delta search file result check value plan step code test data model cache "
          "token query answer error path read write list node tree page time").split()
 TOOLS = [{"name": n, "description": f"{n} over the workspace",
@@ -241,19 +241,10 @@ def targets(res: dict, trace: dict, strict: dict = None) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    backends = result["backends"]
-    fig, axes = plt.subplots(len(backends), 3, figsize=(18, 5.2 * len(backends)), squeeze=False)
-    for row, (name, part) in zip(axes, backends.items()):
-        panels(row, part, name)
     cfg = result["config"]
-    fig.suptitle(f"reasoning policies on {result['device']}: {cfg['turns']} turns, page {cfg['page_size']}, "
-                 f"scale {cfg['scale']}, seed {cfg['seed']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_backends(result, path, panels, title=(
+        f"reasoning policies on {result['device']}: {cfg['turns']} turns, page {cfg['page_size']}, "
+        f"scale {cfg['scale']}, seed {cfg['seed']}"))
 
 
 def panels(axes, part: dict, backend: str) -> None:

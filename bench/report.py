@@ -16,3 +16,18 @@ def write_report(name: str, result: dict, plot: Callable[[dict, Path], None]) ->
     js.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, png)
     return js, png
+
+
+def plot_backends(result: dict, path: Path, panels: Callable, title: str, width: float = 18) -> None:
+    """One row of three panels per backend in result["backends"]; `panels(axes, part, name)` draws a row."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = result["backends"]
+    fig, axes = plt.subplots(len(backends), 3, figsize=(width, 5.2 * len(backends)), squeeze=False)
+    for row, (name, part) in zip(axes, backends.items()):
+        panels(row, part, name)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

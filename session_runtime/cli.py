@@ -24,8 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="embedded: our engine in this process, one step at a time; sglang: SGLang's own "
                             "server (batched), launched from these model flags or given by --sglang-url")
     serve.add_argument("--sglang-url", default=None,
-                       help="with --backend sglang: a running SGLang server started with "
-                            "--radix-cache-backend session (default: launch one)")
+                       help="with --backend sglang: running SGLang servers started with "
+                            "--radix-cache-backend session, URL1,URL2,... (each a worker; default: launch one)")
+    serve.add_argument("--workers", type=int, default=None,
+                       help="with --backend sglang: how many SGLang servers (workers) the runtime launches, "
+                            "besides those of --sglang-url (default 1 without --sglang-url, else 0); each "
+                            "conversation lives on one worker. Not uvicorn workers")
+    serve.add_argument("--placement-epsilon", type=float, default=_DEFAULTS.placement_epsilon,
+                       help="many workers: no worker holds more than (1 + epsilon) x the mean number of "
+                            "conversations (consistent hashing with bounded loads)")
     serve.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
                        help="an extra flag for the SGLang server the runtime launches (repeatable), "
                             "e.g. --sglang-arg=--chunked-prefill-size=2048")
@@ -71,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         policy=args.policy, template=args.template, data_dir=args.data_dir or None,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend=args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
+        workers=args.workers, placement_epsilon=args.placement_epsilon,
         sglang_max_running=args.sglang_max_running,
     )
 

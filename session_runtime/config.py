@@ -103,7 +103,12 @@ class RuntimeConfig:
     # "embedded" (our engine, in process) or "sglang" (SGLang's own server,
     # launched as a child process group, or reached at sglang_url).
     backend: str = "embedded"
-    sglang_url: Optional[str] = None  # a running server with --radix-cache-backend session
+    # Running servers with --radix-cache-backend session: one URL, or several
+    # separated by commas (each a worker).
+    sglang_url: Optional[str] = None
+    # SGLang workers the runtime launches; None: one unless sglang_url names servers.
+    workers: Optional[int] = None
+    placement_epsilon: float = 0.25  # no worker above (1 + epsilon) x the mean load
     sglang_args: tuple[str, ...] = ()  # extra flags for a launched SGLang server
     sglang_max_running: int = 32  # --max-running-requests of a launched server
 
@@ -122,10 +127,24 @@ class RuntimeConfig:
             raise ValueError(f"backend must be embedded or sglang, got {self.backend!r}")
         if self.sglang_url is not None and self.backend != "sglang":
             raise ValueError("sglang_url needs backend 'sglang'")
+        if self.workers is not None and (self.workers < 0 or self.backend != "sglang"):
+            raise ValueError("workers must be >= 0, with backend 'sglang'")
+        if self.workers == 0 and not self.sglang_urls:
+            raise ValueError("workers 0 needs sglang_url: there would be no server")
+        if self.placement_epsilon <= 0:
+            raise ValueError(f"placement_epsilon must be > 0, got {self.placement_epsilon}")
         if self.idle_ttl_s < 0:
             raise ValueError(f"idle_ttl_s must be >= 0, got {self.idle_ttl_s}")
         if self.host_pool_tokens is not None and self.host_pool_tokens < 0:
             raise ValueError(f"host_pool_tokens must be >= 0, got {self.host_pool_tokens}")
+
+    @property
+    def sglang_urls(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in (self.sglang_url or "").split(",") if u.strip()]
+
+    @property
+    def launched_workers(self) -> int:
+        return self.workers if self.workers is not None else (0 if self.sglang_urls else 1)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -98,6 +98,7 @@ class Conversation:
     # a restart no chain holds anything either.
     shadows: dict = field(default_factory=dict, compare=False)
     version: int = 0  # bumped by every committed step and every adopted history
+    worker: Optional[str] = None  # many SGLang workers: the one that holds its chain
 
     @property
     def closed_turns(self) -> int:

@@ -18,6 +18,14 @@ class ConversationNotFound(RuntimeErrorBase, KeyError):
         return f"conversation {self.args[0]!r} not found"
 
 
+class WorkerNotFound(RuntimeErrorBase, KeyError):
+    status = 404
+    error_type = "not_found"
+
+    def __str__(self) -> str:
+        return f"no SGLang worker {self.args[0]!r} (many workers: see /health)"
+
+
 class InvalidRequest(RuntimeErrorBase, ValueError):
     """Bad input: an empty message, unknown options, a negative max_tokens."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from radix_ext.tree import NodeInfo
-from session_runtime.errors import BackendUnavailable
+from session_runtime.errors import BackendUnavailable, WorkerNotFound
 
 
 class RuntimeInspection:
@@ -36,14 +36,21 @@ class RuntimeInspection:
                 "kv_host_bytes": self.backend.host_bytes(conv.id),
             },
             "offload": conv.offload.mode,
+            "worker": self.backend.worker_of(conv.id) or conv.worker,
         }
         if tokens:
             out["chain"]["token_ids"] = list(conv.chain_tokens)
         return out
 
-    def tree_snapshot(self, conversation: Optional[str] = None) -> list[NodeInfo]:
+    def tree_snapshot(self, conversation: Optional[str] = None, worker: Optional[str] = None) -> list[NodeInfo]:
+        """The tree (many workers: every live worker's, or one `worker`'s; a
+        conversation's chain is read on its own worker). Raises WorkerNotFound."""
         if conversation is not None:
             self.get(conversation)
+        if worker is not None:
+            if worker not in getattr(self.backend, "workers", {}):
+                raise WorkerNotFound(worker)
+            return self.backend.snapshot(self.tokenizer.decode, owner=conversation, worker=worker)
         return self.backend.snapshot(self.tokenizer.decode, owner=conversation)
 
     def chains(self) -> dict[str, int]:
@@ -56,6 +63,8 @@ class RuntimeInspection:
         """Pool usage for /metrics."""
         try:
             pools = self.backend.gauges()
+            for wid, values in getattr(self.backend, "worker_gauges", dict)().items():
+                pools.update({f'{k}{{worker="{wid}"}}': v for k, v in values.items()})
         except BackendUnavailable:
             pools = {}
         return {

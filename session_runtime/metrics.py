@@ -77,6 +77,11 @@ class Metrics:
                           f"session_{name} {self.counters[name]:g}"]
             lines += self.latency.lines("session_step_latency_ms", "Step latency as the HTTP layer saw it")
             lines += self.ttft.lines("session_ttft_ms", "Time to first token of each step")
-        for name, value in gauges.items():
-            lines += [f"# TYPE session_{name} gauge", f"session_{name} {value:g}"]
+        typed = set()
+        for name, value in gauges.items():  # a name may carry labels: pool_free_tokens{worker="w0"}
+            base = name.split("{", 1)[0]
+            if base not in typed:
+                typed.add(base)
+                lines.append(f"# TYPE session_{base} gauge")
+            lines.append(f"session_{name} {value:g}")
         return "\n".join(lines) + "\n"

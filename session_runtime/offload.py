@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from session_runtime.backends.embedded.engine import Engine
 from session_runtime.errors import InvalidRequest
@@ -39,6 +39,20 @@ class OffloadSettings:
             raise InvalidRequest(f"offload must be one of {', '.join(OFFLOAD_MODES)}; got {self.mode!r}")
         if self.ttl_s < 0 or not 0.0 <= self.min_free_fraction <= 1.0:
             raise InvalidRequest("ttl_s must be >= 0 and min_free_fraction within [0, 1]")
+
+
+def due_owners(waiting: Mapping[str, tuple[float, Optional[OffloadSettings]]], now: float,
+               free_fraction: float = 1.0, idle_ttl_s: float = 0.0) -> list[str]:
+    """The offload decision, a pure function of the state it reads (the runtime
+    and bench/scale_sim.py both call it): the owners whose wait is due for
+    demotion at `now`, oldest wait first. Settings None is an idle chain (due
+    after `idle_ttl_s`, 0 = never); pressure waits are due while the pool's
+    free fraction is below their threshold."""
+    order = sorted(waiting.items(), key=lambda kv: kv[1][0])
+    return [owner for owner, (since, s) in order
+            if (s is None and idle_ttl_s > 0 and now - since >= idle_ttl_s) or (s is not None and (
+                s.mode in ("always", "discard") or (s.mode == "ttl" and now - since >= s.ttl_s)
+                or (s.mode == "pressure" and free_fraction < s.min_free_fraction)))]
 
 
 class NoOffload:
@@ -159,12 +173,8 @@ class OffloadManager(WaitTable):
         now = time.monotonic() if now is None else now
         short = self.free_fraction()
         with self.cond:
-            order = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
-        idle_due = lambda since: self.idle_ttl_s > 0 and now - since >= self.idle_ttl_s  # noqa: E731
-        return [owner for owner, (since, s) in order
-                if (s is None and idle_due(since)) or (s is not None and (
-                    s.mode in ("always", "discard") or (s.mode == "ttl" and now - since >= s.ttl_s)
-                    or (s.mode == "pressure" and short < s.min_free_fraction)))]
+            waiting = dict(self.waiting)
+        return due_owners(waiting, now, short, self.idle_ttl_s)
 
     def run_due(self, now: Optional[float] = None) -> int:
         """Demote every conversation due now (pressure ones only until the pool

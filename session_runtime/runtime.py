@@ -22,7 +22,8 @@ from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.backends.base import StepRequest, StepResult, create_backend
-from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest, ToolCallConflict
+from session_runtime.errors import (BackendUnavailable, ConversationBusy, ConversationNotFound, InvalidRequest,
+                                   ToolCallConflict, WorkerNotFound)
 from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadManager, OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
@@ -68,6 +69,7 @@ class Runtime(RuntimeInspection):
             for conv in self.store.load_all():
                 self.conversations[conv.id] = conv
                 self._conv_locks[conv.id] = threading.Lock()
+                self._place(conv, conv.worker)
 
     def _materialized(self, job) -> None:
         """A canonical branch is in the tree: record it on the turn that closed.
@@ -81,8 +83,34 @@ class Runtime(RuntimeInspection):
             self._persist(conv)
 
     def _persist(self, conv: Conversation) -> None:
+        conv.worker = self.backend.worker_of(conv.id) or conv.worker  # a step may have moved it
         if self.store is not None:
             self.store.save(conv)
+
+    def drain_worker(self, worker: str) -> list[str]:
+        """Many workers: nothing more is placed on `worker`, and its conversations
+        move to the others now (their next steps prefill there). Returns the
+        conversations moved. Raises WorkerNotFound."""
+        if worker not in getattr(self.backend, "workers", {}):
+            raise WorkerNotFound(worker)
+        moved = self.backend.drain(worker)
+        for cid in moved:
+            with self._lock:
+                conv, lock = self.conversations.get(cid), self._conv_locks.get(cid)
+            if conv is not None and lock is not None and lock.acquire(blocking=False):
+                try:  # a step under way persists the new placement itself
+                    self._persist(conv)
+                finally:
+                    lock.release()
+        return moved
+
+    def _place(self, conv: Conversation, worker: Optional[str] = None) -> None:
+        """Many workers: the conversation's worker (a restored one while it is
+        usable). None is up: placed at its first step instead."""
+        try:
+            conv.worker = self.backend.place(conv.id, worker)
+        except BackendUnavailable:
+            conv.worker = worker
 
     # ----- conversations ------------------------------------------------------
 
@@ -143,6 +171,7 @@ class Runtime(RuntimeInspection):
                 raise ConversationBusy(f"conversation {conv.id!r} already exists")
             self.conversations[conv.id] = conv
             self._conv_locks[conv.id] = threading.Lock()
+        self._place(conv)
         self._persist(conv)
         return conv.id
 
@@ -371,7 +400,7 @@ class Runtime(RuntimeInspection):
         generated = [e.message for e in conv.trace] + new
         rules = (("keep", turn_rules.keep_all), ("drop", turn_rules.keep_from(new[0].turn)))
         prompts = [tpl.render(conv.system, conv.tools, generated, keep, True).ids for _, keep in rules]
-        probes = self.backend.probe_many(ns, prompts)
+        probes = self.backend.route(conv.id).probe_many(ns, prompts)
         return {name: turn_rules.counterfactual_entry(prompt, probe, conv.shadows.get(name, ()))
                 for (name, _), prompt, probe in zip(rules, prompts, probes)}
 

@@ -42,7 +42,7 @@ def _message_from_dict(d: dict) -> Message:
 
 def conversation_to_json(conv: Conversation) -> str:
     return json.dumps({
-        "id": conv.id, "system": conv.system, "tools": conv.tools, "tenant": conv.tenant,
+        "id": conv.id, "system": conv.system, "tools": conv.tools, "tenant": conv.tenant, "worker": conv.worker,
         "template": conv.template, "policy": dataclasses.asdict(conv.policy),
         "materialize": dataclasses.asdict(conv.materialize),
         "offload": dataclasses.asdict(conv.offload),
@@ -72,7 +72,7 @@ def conversation_from_json(text: str) -> Conversation:
         trace=[TraceEntry(_message_from_dict(e["message"]), e["step"], e["finish_reason"], e["created_at"])
                for e in d["trace"]],
         turns=[TurnRecord(**{**t, "steps": [StepAccounting(**s) for s in t["steps"]]}) for t in d["turns"]],
-        protocol=protocol,
+        protocol=protocol, worker=d.get("worker"),
         # The KV is gone after a restart: the next step starts from nothing cached.
         canonical_kind="none",
     )

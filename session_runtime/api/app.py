@@ -57,6 +57,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         up = runtime.backend.available()
         body = {"status": "ok" if up else "backend_unavailable", "model": runtime.model_id,
                 "device": runtime.config.device, "backend": runtime.backend.name}
+        if hasattr(runtime.backend, "describe_workers"):
+            body["workers"] = runtime.backend.describe_workers()
         return body if up else JSONResponse(body, status_code=503)
 
     @app.post("/v1/conversations", status_code=201)
@@ -106,9 +108,16 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     app.include_router(build_router(runtime, metrics.record_step, metrics.record_error))
 
+    @app.post("/admin/workers/{wid}/drain")
+    def drain(wid: str) -> dict:
+        """Many workers: place nothing more on `wid` and hand its conversations to
+        the others now (their next steps prefill there)."""
+        moved = runtime.drain_worker(wid)
+        return {"worker": wid, "moved": moved, "workers": runtime.backend.describe_workers()}
+
     @app.get("/debug/tree")
-    def tree(conversation: str | None = None) -> dict:
-        nodes = runtime.tree_snapshot(conversation)
+    def tree(conversation: str | None = None, worker: str | None = None) -> dict:
+        nodes = runtime.tree_snapshot(conversation, worker)
         return {
             "page_size": runtime.config.page_size,
             "nodes": [dataclasses.asdict(n) for n in nodes],

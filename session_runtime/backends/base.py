@@ -67,6 +67,18 @@ class Backend(ABC):
     @abstractmethod
     def step(self, req: StepRequest) -> StepResult: ...
 
+    def place(self, owner: str, worker: Optional[str] = None) -> Optional[str]:
+        """Many workers: the worker the conversation lives on (`worker`, a restored
+        placement, when it is still usable). One backend: None."""
+        return None
+
+    def worker_of(self, owner: str) -> Optional[str]:
+        return None
+
+    def route(self, owner: str) -> "Backend":
+        """The backend that holds the owner's chain (many workers: its worker)."""
+        return self
+
     @abstractmethod
     def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
         """What a step with this prompt would reuse, without changing the tree.

@@ -63,21 +63,41 @@ def _server_info(url: str) -> dict:
         raise InvalidRequest(f"cannot read {url}/server_info: {exc}") from None
 
 
-def build(config, tokenizer) -> SGLangBackend:
-    """Launch (or connect to) the server and check it runs our backend. Raises
-    InvalidRequest naming the cause when it cannot start or is not ours."""
+def build(config, tokenizer):
+    """Launch (or connect to) the server(s) and check each runs our backend: one
+    SGLangBackend, or a WorkerPool when there are several (given URLs first, then
+    launched servers; ids w0, w1, ...). Raises InvalidRequest naming the cause
+    when one cannot start or is not ours."""
+    urls, launched = config.sglang_urls, config.launched_workers
+    if len(urls) + launched == 1:
+        return _worker(config, tokenizer, urls[0] if urls else None, 0)
+    from session_runtime.backends.sglang.workers import WorkerPool
+
+    workers: dict[str, SGLangBackend] = {}
+    try:
+        for i, url in enumerate([*urls, *[None] * launched]):
+            workers[f"w{i}"] = _worker(config, tokenizer, url, i)
+        return WorkerPool(workers, epsilon=config.placement_epsilon)
+    except BaseException:
+        for w in workers.values():
+            w.close()
+        raise
+
+
+def _worker(config, tokenizer, url, index: int) -> SGLangBackend:
+    """Connect to `url`, or launch a server (its log sglang-INDEX.log beside the store)."""
     server = None
-    if config.sglang_url:
-        url = config.sglang_url.rstrip("/")
+    if url is not None:
         if not _ready(url):
             raise InvalidRequest(f"no SGLang server answers at {url}/health")
     else:
         folder = model_folder(config, tokenizer)
+        log = f"sglang-{index}.log" if index else "sglang.log"
         spec = LaunchSpec(
             model_path=str(folder), page_size=config.page_size, max_total_tokens=config.pool_tokens,
             dtype=config.dtype, device=config.device, context_length=config.max_context,
             max_running_requests=config.sglang_max_running, seed=config.seed, extra_args=tuple(config.sglang_args),
-            log_path=str(Path(config.data_dir) / "sglang.log") if config.data_dir else None,
+            log_path=str(Path(config.data_dir) / log) if config.data_dir else None,
         )
         try:
             server = launch(spec, _ready)

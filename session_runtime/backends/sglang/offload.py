@@ -18,7 +18,7 @@ import time
 from typing import Optional
 
 from session_runtime.errors import BackendUnavailable
-from session_runtime.offload import WaitTable
+from session_runtime.offload import WaitTable, due_owners
 
 
 class SchedulerOffload(WaitTable):
@@ -58,11 +58,10 @@ class SchedulerOffload(WaitTable):
             self._owner_locks.pop(owner, None)
 
     def due(self, now: Optional[float] = None) -> list[str]:
-        now = time.monotonic() if now is None else now
         with self.cond:
-            items = sorted(self.waiting.items(), key=lambda kv: kv[1][0])
-        return [o for o, (since, s) in items if s.mode in ("always", "discard")
-                or (s.mode == "ttl" and now - since >= s.ttl_s)]
+            waiting = dict(self.waiting)
+        # Pressure and idle chains are the scheduler's to decide (it sees the pool).
+        return due_owners(waiting, time.monotonic() if now is None else now)
 
     def run_due(self, now: Optional[float] = None) -> int:
         """Demote every conversation due now. Returns the tokens moved."""
