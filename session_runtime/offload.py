@@ -20,10 +20,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
-from session_runtime.backends.embedded.engine import Engine
 from session_runtime.errors import InvalidRequest
+
+if TYPE_CHECKING:  # the decisions here import nothing heavy (bench/scale_sim.py uses them)
+    from session_runtime.backends.embedded.engine import Engine
 
 OFFLOAD_MODES = ("never", "always", "ttl", "pressure", "discard")
 
@@ -129,7 +131,7 @@ class OffloadManager(WaitTable):
     worker thread (or on `run_due()` when built with background=False).
     Settings None in the table: idle after a closed turn."""
 
-    def __init__(self, engine: Engine, background: bool = True, poll_s: float = 0.05, idle_ttl_s: float = 0.0):
+    def __init__(self, engine: "Engine", background: bool = True, poll_s: float = 0.05, idle_ttl_s: float = 0.0):
         self.engine = engine
         self.idle_ttl_s = idle_ttl_s
         self.stats = {"idle_demoted": 0, "idle_released": 0}
