@@ -10,7 +10,8 @@ due_owners`). It compares three ways to route the steps of the same seeded
 agents: affinity (ours: a conversation's every step goes to its worker),
 round-robin per request, and a model of sglang-router's cache-aware policy (a
 request goes to the worker whose cache matches the largest share of its prompt
-when that share is over 0.5, else to the least loaded worker).
+when that share is over 0.3, else to the least loaded worker, and to the least
+loaded one whenever the load is imbalanced).
 
 The cost model is fitted from this machine's measured figures
 (bench/results/offload.json, sglang.json; GPU figures when a run on one wrote
@@ -42,16 +43,19 @@ from session_runtime import placement  # noqa: E402
 from session_runtime.offload import OffloadSettings, due_owners  # noqa: E402
 
 POLICIES = ("affinity", "round_robin", "cache_aware")
-CACHE_THRESHOLD = 0.5  # sglang-router's default cache_threshold
+# sglang-router's cache_aware defaults: --cache-threshold, --balance-abs-threshold, --balance-rel-threshold
+CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.3, 64, 1.5
 
 
 @dataclass(frozen=True)
 class Cost:
-    """ms of a step: fixed + prefill x uncached + attention x uncached x context
-    + decode x output + reload x tokens reloaded from the host tier."""
+    """ms of a step: fixed + prefill x uncached + context x context tokens (what a
+    step costs per token it attends over, however few it computes) + attention x
+    uncached x context + decode x output + reload x tokens reloaded from the host."""
 
     fixed_ms: float
     prefill_ms_per_token: float
+    context_ms_per_token: float
     attention_ms_per_token2: float  # per uncached token per token of context
     decode_ms_per_token: float
     reload_ms_per_token: float
@@ -59,8 +63,9 @@ class Cost:
     source: str
 
     def step_ms(self, uncached: int, context: int, output: int, reloaded: int) -> float:
-        return (self.fixed_ms + self.prefill_ms_per_token * uncached + self.attention_ms_per_token2 * uncached * context
-                + self.decode_ms_per_token * output + self.reload_ms_per_token * reloaded)
+        return (self.fixed_ms + self.prefill_ms_per_token * uncached + self.context_ms_per_token * context
+                + self.attention_ms_per_token2 * uncached * context + self.decode_ms_per_token * output
+                + self.reload_ms_per_token * reloaded)
 
 
 def _least_squares(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
@@ -70,26 +75,40 @@ def _least_squares(rows: list[tuple[float, ...]], ys: list[float]) -> list[float
     return [max(0.0, float(c)) for c in coef]
 
 
+RESUME_NEW = 75  # bench/offload.py's resume step: a 40-token tool result, template and 8+ forced tokens
+
+
 def fit_cost(backend: str = "sglang") -> Cost:
-    """Fitted on the measured runs: prefill and attention from recompute-on-resume
-    at 1k-8k tokens of context (bench/offload.py) and the ~232-token forced step
-    of bench/sglang_server.py's Part B; reload per token from reload-on-resume;
-    decode from Part B's sampled single stream; batching from its 8 over 1."""
-    off = json.loads((RESULTS / "offload.json").read_text())["backends"][backend]["reload_vs_recompute"]
+    """Fitted on the measured runs, never on the calibration target:
+    - fixed, prefill (+ context) and attention: a quadratic in n through
+      recompute-on-resume at 1k-8k tokens (bench/offload.py) and the ~232-token
+      forced step of bench/sglang_server.py's Part B, where n tokens attend over n;
+    - reload per token: the host tier's own copy rate (promoted bytes over
+      promote time; bytes per token from the same stats);
+    - context per token: the slope of resume-after-reload TTFT against context
+      (each resume prefills about RESUME_NEW tokens), less the reload copy and
+      the attention term; what is left of the linear term is prefill;
+    - decode: Part B's sampled single stream; batching: its 8 over 1."""
+    result = json.loads((RESULTS / "offload.json").read_text())["backends"][backend]
+    off = result["reload_vs_recompute"]
     part_b = json.loads((RESULTS / "sglang.json").read_text())["part_b"]["backends"]["sglang_session_runtime"]
     forced = next(r for r in part_b["forced"] if r["concurrency"] == 1)
     n_forced = 200 + 32  # Part B: ~200-token prompts plus 32 forced tokens, all prefilled
-    rows = [(1.0, r["context"], r["context"] ** 2) for r in off] + [(1.0, n_forced, n_forced ** 2)]
-    fixed, prefill, attention = _least_squares(rows, [r["recompute_ttft_ms"] for r in off] + [forced["mean_ms"]])
-    reload = _least_squares([(1.0, r["context"]) for r in off],
-                            [r["reload_ttft_ms"] for r in off])[1]
+    points = [(r["context"], r["recompute_ttft_ms"]) for r in off] + [(n_forced, forced["mean_ms"])]
+    fixed, linear, attention = _least_squares([(1.0, n, n * n) for n, _ in points], [y for _, y in points])
+    host = result["policies"]["always"]["host"]
+    bpt = host["promoted_bytes"] / host["promoted_tokens"]
+    reload = bpt / (statistics.fmean(r["h2d_GBps"] for r in off) * 1e6)  # ms per token
+    _, slope = _least_squares([(1.0, r["context"]) for r in off], [r["reload_ttft_ms"] for r in off])
+    context = min(linear, max(0.0, slope - reload - attention * RESUME_NEW))
     one = next(r for r in part_b["sampled"] if r["concurrency"] == 1)
     eight = next(r for r in part_b["sampled"] if r["concurrency"] == 8)
-    decode = max(0.1, (one["mean_ms"] - fixed - prefill * 200 - attention * 200 ** 2) / one["generated_tokens_mean"])
-    return Cost(fixed_ms=fixed, prefill_ms_per_token=prefill, attention_ms_per_token2=attention,
-                decode_ms_per_token=decode, reload_ms_per_token=reload,
+    cost = Cost(fixed_ms=fixed, prefill_ms_per_token=linear - context, context_ms_per_token=context,
+                attention_ms_per_token2=attention, decode_ms_per_token=0.0, reload_ms_per_token=reload,
                 batch_speedup_at_8=eight["steps_per_s"] / one["steps_per_s"],
-                source=f"{backend}: bench/results/offload.json (reload_vs_recompute), sglang.json (part_b)")
+                source=f"{backend}: bench/results/offload.json (reload_vs_recompute, host stats), sglang.json (part_b)")
+    decode = max(0.1, (one["mean_ms"] - cost.step_ms(200, 200, 0, 0)) / one["generated_tokens_mean"])
+    return dataclasses.replace(cost, decode_ms_per_token=decode)
 
 
 # ----- the workload --------------------------------------------------------------
@@ -222,6 +241,7 @@ class Sim:
         self.ring = placement.ring(ids)
         self.where: dict[str, str] = {}
         self.loads = {w: 0 for w in ids}  # live conversations per worker (affinity)
+        self.outstanding = {w: 0 for w in ids}  # steps queued or running per worker (cache_aware's load)
         self.peak_load = 0
         self.rr = 0
         self.settings = OffloadSettings(offload, ttl_s=args.ttl_s)
@@ -249,15 +269,19 @@ class Sim:
         if self.policy == "round_robin":
             self.rr += 1
             return placement.round_robin(self.rr, sorted(self.workers))
+        # sglang-router's cache_aware: the least loaded worker while the load is
+        # imbalanced, else the best prefix match over the threshold, else the least loaded.
+        out = self.outstanding
+        hi, lo = max(out.values()), min(out.values())
+        least = min(out, key=out.get)
+        if hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo:
+            return least
         best, share = None, 0.0
         for wid in self.holders.get(agent.conv, set()) | self.holders.get(("system", agent.system), set()):
             match = self.match(self.workers[wid], agent, prompt)[0] / prompt
             if match > share:
                 best, share = wid, match
-        if best is not None and share > CACHE_THRESHOLD:
-            return best
-        sample = self.rng.sample(sorted(self.workers), min(8, len(self.workers)))
-        return min(sample, key=lambda w: (len(self.workers[w].busy), w))  # the least loaded of 8 drawn
+        return best if best is not None and share > CACHE_THRESHOLD else least
 
     def match(self, w: Worker, agent: Agent, prompt: int) -> tuple[int, int]:
         """(tokens the worker can reuse for this prompt, of which from its host tier)."""
@@ -272,12 +296,15 @@ class Sim:
 
     def run(self) -> dict:
         while self.events:
-            now, i, _ = heapq.heappop(self.events)
-            self.step(now, self.agents[i], i)
+            now, i, kind = heapq.heappop(self.events)
+            if kind == "step":
+                self.step(now, self.agents[i], i)
+            else:  # a step ended on worker `kind`
+                self.outstanding[kind] -= 1
         return self.summary()
 
-    def push(self, t: float, i: int) -> None:
-        heapq.heappush(self.events, (t, i, "step"))
+    def push(self, t: float, i: int, kind: str = "step") -> None:
+        heapq.heappush(self.events, (t, i, kind))
 
     def retire(self, w: Worker, now: float) -> None:
         """The offload and idle-retirement decisions due on this worker now, made by
@@ -322,6 +349,8 @@ class Sim:
         service = self.cost.step_ms(uncached, prompt, reasoning + answer, from_host) / 1e3
         end = start + service * self.slow
         heapq.heappush(w.busy, end)
+        self.outstanding[w.wid] += 1  # queued or running, until it ends
+        self.push(end, -1, w.wid)
         self.waits.append(start - now)
         if a.step > 0:
             self.resumes.append((end - now) * 1e3)
@@ -422,7 +451,8 @@ def plot(result: dict, path: Path) -> None:
             ax.set_xticks(list(xs), [label(r) for r in pts], rotation=30, fontsize=8)
     axes[0].set(title="prompt tokens reused (device + host)", ylabel="hit rate", xlabel="agents / workers")
     axes[1].set(title="history recomputed per step", ylabel="tokens", xlabel="agents / workers")
-    axes[2].set(title="queueing delay p99", ylabel="ms", xlabel="agents / workers", yscale="symlog")
+    axes[2].set(title="queueing delay p99", ylabel="ms (symlog)", xlabel="agents / workers", yscale="symlog")
+    axes[2].set_ylim(bottom=0)
     for ax in axes:
         ax.legend(fontsize=8)
     fig.suptitle(f"scale simulation (cost model: {result['cost']['source']})", fontsize=10)
@@ -487,8 +517,10 @@ def main() -> None:
             "shared system prompt (16 distinct by default); no partial-page alignment loss.",
             "Under drop, a closed turn's reasoning leaves the canonical history; affinity holds the canonical "
             "branch (materialized), the other policies leave only the prompt part cached (LRU).",
-            "cache_aware models sglang-router's policy from its documentation: the largest prefix-match share "
-            "over 0.5 wins, else the least loaded worker (running steps); its balance thresholds are not modelled.",
+            "cache_aware models sglang-router's policy from its documentation with its defaults: while the busiest "
+            "worker has more than 64 steps queued or running over the idlest and 1.5x as many, the least loaded; "
+            "else the largest prefix-match share over 0.3; else the least loaded (the router picks the smallest "
+            "tree there). Its match reads the simulated caches exactly (the router's tree approximates them).",
             "Agents arrive uniformly over a window sized so that the work, with every history reused, would keep "
             "the workers `utilization` busy (default 0.7): policies that recompute more queue more. Tool latencies and think times are exponential "
             "(seeded); 2-4 turns of 2-4 tool steps each; reasoning 100-600 tokens, answers 20-80, results 20-200.",
