@@ -302,6 +302,7 @@ class HostTierOps:
             if (owner is not None and e.owner != owner) or self.tree.chain_tokens(e.owner) != e.anchor_tokens:
                 continue
             parent, depth = (e.anchor_node_id if e.anchor_tokens else None), e.anchor_tokens
+            ns = getattr(e, "namespace", None) or (None, None)  # a lost tail (EvictedTail) keeps none
             for node in e.nodes:
                 offset = depth - e.anchor_tokens
                 depth += node.tokens
@@ -309,6 +310,6 @@ class HostTierOps:
                                     preview=preview(list(e.tokens[offset : offset + 16])), hit_count=node.hit_count,
                                     lock_count=0, last_access_age_s=round(now - e.moved_at, 3),
                                     residency=residency, owners=(e.owner,),
-                                    namespace=e.namespace[0], cache_salt=e.namespace[1]))
+                                    namespace=ns[0], cache_salt=ns[1]))
                 parent = node.id
         return out
