@@ -20,7 +20,7 @@ import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from radix_ext.kv_copy import HostKV
 
@@ -283,20 +283,23 @@ def tail_nodes(nodes) -> tuple[TailNode, ...]:
     return tuple(TailNode(n.id, len(n.key), n.hit_count) for n in nodes)
 
 
-def pick_shared(entries, owner: str, namespace: tuple, prompt, have: int, page_size: int,
+def pick_shared(entries, owner: str, namespace: tuple, prompt, have: Callable[[], int], page_size: int,
                 chain_tokens) -> Optional[tuple[HostEntry, array, int]]:
     """Host-prefix sharing: among other owners' host-only entries in `namespace`
     whose chain still hangs at the entry's anchor, the one `prompt` shares
-    furthest, at least a page beyond `have` (what the device already gives the
-    prompt). The last prompt token is always computed. Returns (entry, the
-    entry's full tokens from the root, shared length) or None. Pure: reads only
-    its arguments (`chain_tokens(owner)` gives a chain's length)."""
+    furthest, at least a page beyond `have()` (what the device already gives the
+    prompt; called only when some entry is a candidate, so the common case reads
+    nothing). The last prompt token is always computed. Returns (entry, the
+    entry's full tokens from the root, shared length) or None. Reads only its
+    arguments (`chain_tokens(owner)` gives a chain's length)."""
+    candidates = [e for e in entries if e.owner != owner and not e.on_device and e.namespace == namespace]
+    if not candidates:
+        return None
     limit = len(prompt) - 1
-    best, best_len = None, have + page_size - 1
-    for entry in entries:
+    best, best_len = None, have() + page_size - 1
+    for entry in candidates:
         end = entry.anchor_tokens + len(entry.tokens)
-        if (entry.owner == owner or entry.on_device or entry.namespace != namespace or end <= best_len
-                or chain_tokens(entry.owner) != entry.anchor_tokens):
+        if end <= best_len or chain_tokens(entry.owner) != entry.anchor_tokens:
             continue
         full = entry.prefix + entry.tokens
         shared = common_prefix(full, prompt, min(end, limit))

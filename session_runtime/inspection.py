@@ -62,9 +62,7 @@ class RuntimeInspection:
     def gauges(self) -> dict[str, float]:
         """Pool usage for /metrics."""
         try:
-            pools = self.backend.gauges()
-            for wid, values in getattr(self.backend, "worker_gauges", dict)().items():
-                pools.update({f'{k}{{worker="{wid}"}}': v for k, v in values.items()})
+            pools = self.backend.gauges()  # many workers: labelled per worker too
         except BackendUnavailable:
             pools = {}
         return {

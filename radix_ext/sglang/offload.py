@@ -107,13 +107,9 @@ class SchedulerHostTier:
         none = {"anchor": 0, "tokens": 0}
         if self.host is None or not self.host.entries:
             return none
-        ns = (key.extra_key, key.cache_salt)
-        entries = list(self.host.entries.values())
-        if not any(e.owner != owner and e.namespace == ns for e in entries):
-            return none  # the common case: no probe
-        prompt = key.token_ids
-        have = max(cache.probe(key[: len(key) - 1]).device_len, cache.chain_tokens(owner))
-        best = pick_shared(entries, owner, ns, prompt, have, cache.page_size, cache.chain_tokens)
+        best = pick_shared(list(self.host.entries.values()), owner, (key.extra_key, key.cache_salt), key.token_ids,
+                           lambda: max(cache.probe(key[: len(key) - 1]).device_len, cache.chain_tokens(owner)),
+                           cache.page_size, cache.chain_tokens)
         if best is None:
             return none
         entry, full, shared = best

@@ -69,13 +69,10 @@ class HostTierOps:
         holds is reloaded, for both (write-through: its owner's chain moves back
         to it, its host copy stays). Returns (first reloaded position, tokens),
         (0, 0) when nothing is shared."""
-        ns = (namespace.extra_key, namespace.cache_salt)
-        entries = list(self.host.entries.values())
-        if not any(e.owner != owner and not e.on_device and e.namespace == ns for e in entries):
-            return 0, 0  # the common case: no probe, nothing to read
-        limit = len(prompt) - 1
-        have = max(self.tree.probe(namespace.key(prompt[:limit])).device_len, self.tree.chain_tokens(owner))
-        best = pick_shared(entries, owner, ns, prompt, have, self.page_size, self.tree.chain_tokens)
+        on_device = lambda: self.tree.probe(namespace.key(prompt[: len(prompt) - 1])).device_len  # noqa: E731
+        best = pick_shared(list(self.host.entries.values()), owner, (namespace.extra_key, namespace.cache_salt), prompt,
+                           lambda: max(on_device(), self.tree.chain_tokens(owner)),
+                           self.page_size, self.tree.chain_tokens)
         if best is None:
             return 0, 0
         entry, full, _ = best

@@ -251,18 +251,18 @@ class WorkerPool(Backend):
         return [n for _, w in self._live() for n in w.snapshot(preview, owner)]
 
     def gauges(self) -> dict[str, float]:
+        """Totals over the live workers, and each one's own with a `worker` label
+        (one control round trip per worker)."""
         totals: dict[str, float] = {}
-        for _, w in self._live():
+        labeled: dict[str, float] = {}
+        for wid, w in self._live():
             for k, v in w.gauges().items():
                 totals[k] = totals.get(k, 0) + v
+                labeled[f'{k}{{worker="{wid}"}}'] = v
         totals["sglang_workers_up"] = sum(self.up.values())
         totals["sglang_workers_draining"] = len(self.draining)
         totals["sglang_conversations_moved_total"] = self.moves
-        return totals
-
-    def worker_gauges(self) -> dict[str, dict[str, float]]:
-        """Each live worker's gauges, for per-worker metric labels."""
-        return {wid: w.gauges() for wid, w in self._live()}
+        return {**totals, **labeled}
 
     def free_fraction(self) -> float:
         live = self._live()
