@@ -147,8 +147,9 @@ class Qwen3Template:
         """An assistant output given as text, as the official template writes the
         last assistant message: reasoning and content stripped of the newlines it
         adds itself; the call markup the template's, names and arguments text."""
-        content = content.lstrip("\n")
-        answer = self.tok.encode_pieces([("\n\n", True), (content, False), *_calls(content, tool_calls)])
+        # The template prints the content left-stripped but puts the newline before
+        # the first call when the content as given is non-empty ("\n" included).
+        answer = self.tok.encode_pieces([("\n\n", True), (content.lstrip("\n"), False), *_calls(content, tool_calls)])
         return [self.think, *self.tok.encode_text(f"\n{reasoning.strip(chr(10))}\n"), self.end_think, *answer,
                 self.im_end]
 

@@ -43,7 +43,7 @@ def conversations(draw):
         for k in range(draw(st.integers(0, 2)) if tools else 0):
             calls = [ToolCall(f"call_{t}_{k}_{j}", draw(st.sampled_from(names)), draw(arguments))
                      for j in range(draw(st.integers(1, 2)))]
-            steps.append((draw(text(0, 20)), draw(st.one_of(st.just(""), text(1, 20))), calls,
+            steps.append((draw(text(0, 20)), draw(st.one_of(st.sampled_from(["", "\n", "\n\n"]), text(1, 20))), calls,
                           [draw(text(0, 20)) for _ in calls]))
         steps.append((draw(text(1, 20)), draw(text(0, 20)), [], []))
         turns.append((draw(text(1, 30)), steps))

@@ -91,6 +91,17 @@ def test_qwen3_prompts_equal_the_official_template_1000(conv):
     _check_qwen3(conv)
 
 
+@pytest.mark.parametrize("content", ["", "\n", "\n\n", "\n\nx", "x\n"])
+def test_qwen3_newline_before_the_first_call_follows_the_content_as_given(content):
+    """The template prints the content left-stripped, but writes the newline
+    before the first call when the content as given is non-empty: content
+    "\\n\\n" gives `</think>\\n\\n\\n<tool_call>` (the 1,000-case run's counterexample)."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "", "parameters": {}}}]
+    step = ("r", content, [ToolCall("c", "f", {"q": 1})], ["res"])
+    _check_qwen3((None, tools, [("Hi", [step])]))  # inside the open turn
+    _check_qwen3((None, tools, [("Hi", [step, ("done", "ok", [], [])]), ("Next", [])]))  # closed
+
+
 def test_qwen3_listed_deviation_an_empty_think_block_inside_the_open_turn():
     """Qwen3's template drops an empty think block from every assistant step of
     the open turn but the last; the model generated it, so inside an open turn
