@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 
+from session_runtime.api.settings import ApiSettings, is_loopback, load_credentials
 from session_runtime.config import ATTENTION_BACKENDS, PRESETS, RuntimeConfig
 
 _DEFAULTS = RuntimeConfig()
@@ -62,8 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--template", default=_DEFAULTS.template, choices=["auto", "deepseek", "qwen3"],
                        help="auto: qwen3 for a folder with Qwen's tokenizer, else deepseek")
     serve.add_argument("--data-dir", default="data", help="SQLite store of conversations ('' keeps them in memory)")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind; one other than loopback needs an API key (or --insecure)")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="clients send 'Authorization: Bearer KEY'; alone, KEY is the admin key and the "
+                            "key of one default tenant (with --admin-key, only the default tenant's)")
+    serve.add_argument("--api-keys", default=None, metavar="FILE",
+                       help='a JSON object {"KEY": "TENANT", ...}: each key is one tenant\'s, which sees '
+                            "only its own conversations and tree nodes")
+    serve.add_argument("--admin-key", default=None, metavar="KEY",
+                       help="the key that sees every tenant and may act for one (the body's 'tenant'), "
+                            "and may call /admin/*")
+    serve.add_argument("--metrics-admin-only", action="store_true",
+                       help="/metrics needs the admin key (default: open, like /health)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="serve a non-loopback --host without any API key (anyone who reaches it may "
+                            "read and change every conversation)")
     from session_runtime.replay import add_arguments as replay_arguments
 
     replay_arguments(sub.add_parser("replay", help="replay a JSONL agent trace with forced output, "
@@ -92,16 +108,28 @@ def _split_args(flags: list[str]) -> list[str]:
     return out
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def api_settings_from_args(args: argparse.Namespace) -> ApiSettings:
+    """The HTTP edge's settings. Raises ValueError (a bad keys file, a public
+    --host without a key)."""
+    credentials = load_credentials(args.api_key, args.api_keys, args.admin_key)
+    if not credentials.enabled and not is_loopback(args.host) and not args.insecure:
+        raise ValueError(f"--host {args.host} serves other machines, and no API key is set: anyone who reaches "
+                         "it could read and change every conversation. Give --api-key KEY (or --api-keys "
+                         "FILE), or --insecure to serve it open anyway")
+    return ApiSettings(credentials=credentials, metrics_admin_only=args.metrics_admin_only)
 
-    warnings.filterwarnings("ignore", module="sglang")
+
+def serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    try:
+    try:  # every flag is checked before torch or SGLang is imported
         config = config_from_args(args)
+        settings = api_settings_from_args(args)
     except ValueError as exc:
         print(f"session-runtime: {exc}", file=sys.stderr)
         return 2
+    import uvicorn
+
+    warnings.filterwarnings("ignore", module="sglang")
     wait = "starting SGLang's server takes about a minute on a CPU" if config.backend == "sglang" else \
         "importing SGLang takes 6-20 s"
     print(f"session-runtime: loading {config.model} on {config.device} with the {config.backend} backend ({wait}), "
@@ -120,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
     # below closes the runtime and stops a launched SGLang server's process group.
     signal.signal(signal.SIGTERM, lambda sig, _frame: sys.exit(128 + sig))
     try:
-        app = create_app(runtime)
+        app = create_app(runtime, settings)
         print(f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
               f"http://{args.host}:{args.port} ({runtime.backend.describe()})", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

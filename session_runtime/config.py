@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # The bundled DeepSeek tokenizer has 129280 ids; random presets are sized so
 # every id, special tokens included, has an embedding row.
@@ -40,6 +41,8 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K plus V for one token over all layers."""
+        import torch
+
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
@@ -68,7 +71,9 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch's dtype of each name; torch is imported where a dtype is needed, so the
+# CLI can parse and check its flags without it.
+DTYPES = ("float32", "bfloat16", "float16")
 # auto: flashinfer on cuda where it runs, else torch SDPA (see model/attention.py).
 ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer", "paged-reference")
 
@@ -148,7 +153,9 @@ class RuntimeConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def host_tokens(self, bytes_per_token: int) -> int:
         """The host tier's capacity: host_pool_tokens, or by default 4x the device

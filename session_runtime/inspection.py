@@ -59,6 +59,11 @@ class RuntimeInspection:
         with self._lock:
             return {cid: held.get(cid, 0) for cid in list(self.conversations)}
 
+    def conversations_of(self, tenant: Optional[str]) -> set[str]:
+        """Ids of the tenant's conversations (None: the default tenant's)."""
+        with self._lock:
+            return {cid for cid, conv in self.conversations.items() if conv.tenant == tenant}
+
     def gauges(self) -> dict[str, float]:
         """Pool usage for /metrics."""
         try:

@@ -1,8 +1,10 @@
-"""create_app(runtime): the session HTTP API (DESIGN.md section 8).
+"""create_app(runtime, settings): the session HTTP API (DESIGN.md section 8).
 
 Every runtime error maps once, here, to `{error: {type, message}}` with a 4xx
 (or 507 for an exhausted pool); a failed request changes nothing because the
-runtime commits only after a step succeeds.
+runtime commits only after a step succeeds. The API key names the caller
+(api/auth.py); a conversation of another tenant is answered as one that does
+not exist.
 """
 
 from __future__ import annotations
@@ -10,12 +12,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Optional
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from session_runtime.api.auth import Authenticate, current_caller, tenant_of_new, tenant_tree, visible
+from session_runtime.api.errors import error_response
 from session_runtime.api.openai_compat import build_router
+from session_runtime.api.settings import ApiSettings, Caller
 from session_runtime.api.streaming import sse_step
 from session_runtime.api.tree_page import tree_page_router
 from session_runtime.api.schemas import CreateConversation, SendMessage, SendToolResults
@@ -23,34 +29,30 @@ from session_runtime.errors import RuntimeErrorBase
 from session_runtime.metrics import Metrics
 from session_runtime.runtime import Runtime
 
-
-def _error(status: int, kind: str, message: str) -> JSONResponse:
-    # A client error will fail the same way again: tell OpenAI's SDK not to retry it.
-    headers = {"x-should-retry": "false"} if 400 <= status < 500 else None
-    return JSONResponse(status_code=status, content={"error": {"type": kind, "message": message}}, headers=headers)
-
-
-def create_app(runtime: Runtime) -> FastAPI:
+def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> FastAPI:
+    settings = settings or ApiSettings()
     app = FastAPI(title="session-runtime")
     metrics = Metrics()
     app.state.runtime = runtime
     app.state.metrics = metrics
+    app.state.settings = settings
+    app.add_middleware(Authenticate, settings=settings)
 
     @app.exception_handler(RuntimeErrorBase)
     def _runtime_error(_: Request, exc: RuntimeErrorBase) -> JSONResponse:
         metrics.record_error()
-        return _error(exc.status, exc.error_type, str(exc))
+        return error_response(exc.status, exc.error_type, str(exc))
 
     @app.exception_handler(RequestValidationError)
     def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-        return _error(422, "validation_error", "; ".join(parts))
+        return error_response(422, "validation_error", "; ".join(parts))
 
     @app.exception_handler(Exception)
     def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         logging.getLogger("session_runtime").exception("internal error")
         metrics.record_error()
-        return _error(500, "internal", f"{type(exc).__name__}: {exc}")
+        return error_response(500, "internal", f"{type(exc).__name__}: {exc}")
 
     @app.get("/health")
     def health():
@@ -62,16 +64,20 @@ def create_app(runtime: Runtime) -> FastAPI:
         return body if up else JSONResponse(body, status_code=503)
 
     @app.post("/v1/conversations", status_code=201)
-    def create(body: CreateConversation) -> dict:
-        cid = runtime.create_conversation(**body.model_dump())
+    def create(body: CreateConversation, caller: Caller = Depends(current_caller)) -> dict:
+        fields = body.model_dump()
+        fields["tenant"] = tenant_of_new(caller, body.tenant)
+        cid = runtime.create_conversation(**fields)
         return runtime.describe(cid)
 
     @app.get("/v1/conversations/{cid}")
-    def get(cid: str, tokens: int = 0) -> dict:
+    def get(cid: str, tokens: int = 0, caller: Caller = Depends(current_caller)) -> dict:
+        visible(runtime, cid, caller)
         return runtime.describe(cid, tokens=bool(tokens))
 
     @app.delete("/v1/conversations/{cid}")
-    def delete(cid: str) -> dict:
+    def delete(cid: str, caller: Caller = Depends(current_caller)) -> dict:
+        visible(runtime, cid, caller)
         runtime.delete_conversation(cid)
         return {"id": cid, "deleted": True}
 
@@ -81,8 +87,8 @@ def create_app(runtime: Runtime) -> FastAPI:
         metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
         return step.as_dict()
 
-    def respond(call, cid: str, first_arg, body):
-        conv = runtime.get(cid)  # 404 before any stream starts
+    def respond(call, cid: str, first_arg, body, caller: Caller):
+        conv = visible(runtime, cid, caller)  # 404 before any stream starts
         if not body.stream:
             return timed(call, cid, first_arg, **body.options())
 
@@ -99,12 +105,12 @@ def create_app(runtime: Runtime) -> FastAPI:
         return StreamingResponse(sse_step(run, runtime.template(conv.template)), media_type="text/event-stream")
 
     @app.post("/v1/conversations/{cid}/messages")
-    def message(cid: str, body: SendMessage):
-        return respond(runtime.send_message, cid, body.content, body)
+    def message(cid: str, body: SendMessage, caller: Caller = Depends(current_caller)):
+        return respond(runtime.send_message, cid, body.content, body, caller)
 
     @app.post("/v1/conversations/{cid}/tool_results")
-    def tool_results(cid: str, body: SendToolResults):
-        return respond(runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body)
+    def tool_results(cid: str, body: SendToolResults, caller: Caller = Depends(current_caller)):
+        return respond(runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body, caller)
 
     app.include_router(build_router(runtime, metrics.record_step, metrics.record_error))
 
@@ -116,12 +122,18 @@ def create_app(runtime: Runtime) -> FastAPI:
         return {"worker": wid, "moved": moved, "workers": runtime.backend.describe_workers()}
 
     @app.get("/debug/tree")
-    def tree(conversation: str | None = None, worker: str | None = None) -> dict:
-        nodes = runtime.tree_snapshot(conversation, worker)
+    def tree(conversation: str | None = None, worker: str | None = None,
+             caller: Caller = Depends(current_caller)) -> dict:
+        """The tree; a tenant sees only its own nodes and chains, the admin all."""
+        if conversation is not None:
+            visible(runtime, conversation, caller)
+        nodes, chains = runtime.tree_snapshot(conversation, worker), runtime.chains()
+        if not caller.admin:
+            nodes, chains = tenant_tree(nodes, chains, caller.tenant, runtime.conversations_of(caller.tenant))
         return {
             "page_size": runtime.config.page_size,
             "nodes": [dataclasses.asdict(n) for n in nodes],
-            "chains": runtime.chains(),
+            "chains": chains,
         }
 
     app.include_router(tree_page_router())

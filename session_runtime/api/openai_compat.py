@@ -15,10 +15,12 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from session_runtime.api.auth import current_caller
+from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import sse_step
 from session_runtime.errors import ConversationNotFound, InvalidRequest
 from session_runtime.importer import text_content
@@ -76,7 +78,7 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
-    def chat(body: ChatRequest):
+    def chat(body: ChatRequest, caller: Caller = Depends(current_caller)):
         if body.stop:
             raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step")
         system, rest = None, list(body.messages)
@@ -90,7 +92,7 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
             results = [{"tool_call_id": str(m.get("tool_call_id", "")), "content": text_content(m.get("content"))}
                        for m in tail]
             call = lambda **kw: runtime.send_tool_results(cid, results, **kw)  # noqa: E731
-        cid, saved, fresh = _conversation(runtime, body, system)
+        cid, saved, fresh = _conversation(runtime, body, system, caller)
         ephemeral = fresh and not body.conversation_id
 
         adopted = False
@@ -153,17 +155,22 @@ def _tail(messages: list[dict]) -> list[dict]:
     raise InvalidRequest("the last message must be a user message or tool results")
 
 
-def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str]):
-    """(conversation id, snapshot to restore on failure, created by this request?)."""
+def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str], caller: Caller):
+    """(conversation id, snapshot to restore on failure, created by this request?).
+    Raises ConversationNotFound for another tenant's `conversation_id`."""
     if body.conversation_id:
         try:
-            return body.conversation_id, runtime.snapshot_conversation(body.conversation_id), False
+            saved = runtime.snapshot_conversation(body.conversation_id)
         except ConversationNotFound:
-            pass
-        cid = runtime.create_conversation(system, tools=body.tools, policy=body.policy,
+            saved = None
+        if saved is not None:
+            if not caller.may_see(saved.tenant):
+                raise ConversationNotFound(body.conversation_id)
+            return body.conversation_id, saved, False
+        cid = runtime.create_conversation(system, tools=body.tools, policy=body.policy, tenant=caller.tenant,
                                           conversation_id=body.conversation_id)
         return cid, None, True
-    return runtime.create_conversation(system, tools=body.tools, policy=body.policy), None, True
+    return runtime.create_conversation(system, tools=body.tools, policy=body.policy, tenant=caller.tenant), None, True
 
 
 def _prepend(first: str, lines):

@@ -44,8 +44,9 @@ class LiveServer:
         assert not self.thread.is_alive(), "uvicorn did not stop"
 
 
-def start_server(runtime) -> LiveServer:
-    """uvicorn in a daemon thread on a pre-bound loopback socket (no port race)."""
+def start_server(runtime, settings=None) -> LiveServer:
+    """uvicorn in a daemon thread on a pre-bound loopback socket (no port race);
+    `settings` (ApiSettings: keys, limits) default to an open server."""
     import uvicorn
 
     from session_runtime.api.app import create_app
@@ -54,7 +55,7 @@ def start_server(runtime) -> LiveServer:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = create_app(runtime)
+    app = create_app(runtime, settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
     thread.start()
@@ -75,12 +76,12 @@ def build_runtime(**overrides):
 
 
 @contextlib.contextmanager
-def served(**overrides) -> Iterator[LiveServer]:
+def served(settings=None, **overrides) -> Iterator[LiveServer]:
     """A fresh Runtime and its server; both closed on exit."""
     rt = build_runtime(**overrides)
     live = None
     try:
-        live = start_server(rt)
+        live = start_server(rt, settings)
         yield live
     finally:
         if live is not None:

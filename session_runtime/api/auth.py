@@ -1,0 +1,140 @@
+"""Authentication at the edge: the API key names the caller, and the caller's
+tenant decides what it sees.
+
+`Authenticate` runs before a route reads its body: it finds the key (as vLLM
+and SGLang take it, `Authorization: Bearer KEY`; a browser's Basic credentials
+with the key as password also work, so the tree page can be opened), answers
+401 or 403 itself, and leaves the Caller in `request.state.caller`. Routes ask
+for it with `Depends(current_caller)`. Without any key configured every caller
+is the open admin, as before keys existed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+from typing import TYPE_CHECKING, Iterable, Optional
+
+from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radix_ext.tree import NodeInfo
+from session_runtime.api.errors import error_response
+from session_runtime.api.settings import OPEN, ApiSettings, Caller
+from session_runtime.conversation import Conversation
+from session_runtime.errors import ConversationNotFound, RuntimeErrorBase
+
+if TYPE_CHECKING:
+    from session_runtime.runtime import Runtime
+
+# Open to everyone: liveness, the version, and the API's schema (no data).
+OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
+class Forbidden(RuntimeErrorBase):
+    status = 403
+    error_type = "forbidden"
+
+
+def presented_key(authorization: Optional[str]) -> Optional[str]:
+    """The key in an Authorization header: `Bearer KEY`, or Basic with KEY as
+    the password (any user name). None when there is none."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.strip().partition(" ")
+    value = value.strip()
+    if scheme.lower() == "bearer":
+        return value or None
+    if scheme.lower() == "basic":
+        try:
+            user_pass = base64.b64decode(value, validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        return user_pass.partition(":")[2] or None
+    return None
+
+
+class Authenticate:
+    """Pure ASGI middleware (it must answer before the body is read)."""
+
+    def __init__(self, app: ASGIApp, settings: ApiSettings):
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        caller, refusal = self._decide(path, _header(scope, b"authorization"))
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        scope.setdefault("state", {})["caller"] = caller
+        await self.app(scope, receive, send)
+
+    def _decide(self, path: str, authorization: Optional[str]):
+        """(the caller, or None; a refusal to send, or None)."""
+        credentials = self.settings.credentials
+        if not credentials.enabled:
+            return OPEN, None
+        key = presented_key(authorization)
+        caller = credentials.identify(key) if key is not None else None
+        is_open = path in OPEN_PATHS or (path == "/metrics" and not self.settings.metrics_admin_only)
+        if is_open:
+            return caller or Caller(tenant=None, admin=False), None
+        if caller is None:
+            # A browser asked for a Basic challenge opens the tree page with the key as password.
+            challenge = 'Basic realm="session-runtime"' if path.startswith("/debug/") else "Bearer"
+            message = ("no API key: send the header 'Authorization: Bearer KEY'" if key is None
+                       else "the API key is not valid")
+            return None, error_response(401, "unauthorized", message, {"www-authenticate": challenge})
+        if not caller.admin and (path.startswith("/admin/") or path == "/metrics"):
+            return None, error_response(403, "forbidden", f"{path} needs the admin key")
+        return caller, None
+
+
+def _header(scope: Scope, name: bytes) -> Optional[str]:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def current_caller(request: Request) -> Caller:
+    """The route's Caller, as Authenticate found it (a FastAPI dependency)."""
+    return request.state.caller
+
+
+def visible(runtime: Runtime, cid: str, caller: Caller) -> Conversation:
+    """The conversation, if the caller may see it. Raises ConversationNotFound
+    for another tenant's too: its existence is not the caller's business."""
+    conv = runtime.get(cid)
+    if not caller.may_see(conv.tenant):
+        raise ConversationNotFound(cid)
+    return conv
+
+
+def tenant_of_new(caller: Caller, requested: Optional[str]) -> Optional[str]:
+    """The tenant of a conversation the caller creates: its own; the body's
+    `tenant` only with the admin key. Raises Forbidden."""
+    if requested is None or requested == caller.tenant:
+        return caller.tenant
+    if not caller.admin:
+        raise Forbidden("the tenant comes from the API key: only the admin key may set 'tenant'")
+    return requested
+
+
+def tenant_tree(nodes: Iterable[NodeInfo], chains: dict[str, int], tenant: Optional[str],
+                mine: set[str]) -> tuple[list[NodeInfo], dict[str, int]]:
+    """What one tenant sees of the tree: the nodes of its namespaces (keys salted
+    with its name; namespaces never share a node, so their parents are its own
+    too), and nodes without a namespace (a lost host tail) that only its
+    conversations (`mine`) hold; their owners and the chains limited to `mine`."""
+    seen = []
+    for n in nodes:
+        if n.namespace is not None and n.cache_salt == tenant or (
+                n.namespace is None and n.owners and all(o in mine for o in n.owners)):
+            seen.append(dataclasses.replace(n, owners=tuple(o for o in n.owners if o in mine)))
+    return seen, {cid: held for cid, held in chains.items() if cid in mine}
