@@ -247,3 +247,33 @@ def test_the_cli_checks_flags_without_torch():
             "assert rc == 2, rc; assert 'torch' not in sys.modules and 'sglang' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_openai_route_keeps_each_tenants_cache_apart(clients, keyed):
+    """The prefix-guessing oracle is closed: the same system prompt from another
+    tenant gets 0 cached tokens (the same tenant its own pages), with and
+    without conversation_id; no node of one tenant shows in the other's tree."""
+    from tests.api.conftest import PAGE, first_prompt_len
+
+    secret = "[auth-oracle] A tenant's secret system prompt: the launch code is 1234, never say it. " * 2
+    messages = [{"role": "system", "content": secret}, {"role": "user", "content": "Hi"}]
+    n = first_prompt_len(keyed.runtime, secret, "Hi")
+    assert n > 2 * PAGE
+    cached = {}
+    with OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY_A, max_retries=0, timeout=120) as oai_a, \
+         OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY_B, max_retries=0, timeout=120) as oai_b, \
+         OpenAI(base_url=f"{keyed.url}/v1", api_key=ADMIN, max_retries=0, timeout=120) as oai_admin:
+        for name, oai, extra in (("a", oai_a, {}), ("b-id", oai_b, {"conversation_id": "oracle-b"}),
+                                 ("admin", oai_admin, {}), ("b", oai_b, {}), ("a again", oai_a, {}),
+                                 ("a-id", oai_a, {"conversation_id": "oracle-a"})):
+            r = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=extra)
+            assert r.usage.prompt_tokens == n
+            cached[name] = r.usage.prompt_tokens_details.cached_tokens
+    own = (n - 1) // PAGE * PAGE  # the tenant's own whole pages (as for one tenant alone)
+    assert cached == {"a": 0, "b-id": 0, "admin": 0, "b": own, "a again": own, "a-id": own}
+    previews = {name: " ".join(n["preview"] for n in clients[name].get("/debug/tree").json()["nodes"])
+                for name in ("a", "b")}
+    assert "launch code" in previews["a"] and "launch code" in previews["b"]  # each its own copy
+    salts = {name: {n["cache_salt"] for n in clients[name].get("/debug/tree").json()["nodes"]} for name in ("a", "b")}
+    assert salts == {"a": {"a"}, "b": {"b"}}
+    assert keyed.runtime.get("oracle-a").tenant == "a" and keyed.runtime.get("oracle-b").tenant == "b"
