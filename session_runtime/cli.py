@@ -15,6 +15,7 @@ from session_runtime.api.settings import ApiSettings, is_loopback, load_credenti
 from session_runtime.config import ATTENTION_BACKENDS, PRESETS, RuntimeConfig
 
 _DEFAULTS = RuntimeConfig()
+_API_DEFAULTS = ApiSettings()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a closed conversation idle this long leaves the device (to the host tier, or "
                             "released when it is full); under pressure idle ones go first; 0: never")
     serve.add_argument("--max-context", type=int, default=_DEFAULTS.max_context)
+    serve.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
+                       help="the most tokens one step may generate; a request asking more is refused "
+                            "(default and maximum: --max-context)")
+    serve.add_argument("--max-body-bytes", type=int, default=_API_DEFAULTS.max_body_bytes, metavar="N",
+                       help="larger request bodies are refused with 413 before they are read")
     serve.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of random preset weights")
     serve.add_argument("--policy", default=_DEFAULTS.policy,
                        choices=["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"],
@@ -90,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(
         model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
-        pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
+        pool_tokens=args.pool_tokens, max_context=args.max_context, max_tokens_limit=args.max_tokens_limit,
+        seed=args.seed,
         policy=args.policy, template=args.template, data_dir=args.data_dir or None,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend=args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
@@ -116,7 +123,8 @@ def api_settings_from_args(args: argparse.Namespace) -> ApiSettings:
         raise ValueError(f"--host {args.host} serves other machines, and no API key is set: anyone who reaches "
                          "it could read and change every conversation. Give --api-key KEY (or --api-keys "
                          "FILE), or --insecure to serve it open anyway")
-    return ApiSettings(credentials=credentials, metrics_admin_only=args.metrics_admin_only)
+    return ApiSettings(credentials=credentials, metrics_admin_only=args.metrics_admin_only,
+                       max_body_bytes=args.max_body_bytes)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -92,6 +92,9 @@ class RuntimeConfig:
     # quarter of host memory. Allocated once (pinned on CUDA).
     host_pool_tokens: Optional[int] = None
     max_context: int = 32768
+    # The most tokens one step may generate (a request asking more is refused);
+    # None: the context. Never more than the context.
+    max_tokens_limit: Optional[int] = None
     max_running: int = 4  # rows of the ReqToTokenPool: steps in flight at once
     prefill_chunk: int = 2048  # tokens per prefill forward (bounds attention memory)
     seed: int = 0
@@ -140,6 +143,9 @@ class RuntimeConfig:
             raise ValueError(f"placement_epsilon must be > 0, got {self.placement_epsilon}")
         if self.idle_ttl_s < 0:
             raise ValueError(f"idle_ttl_s must be >= 0, got {self.idle_ttl_s}")
+        if self.max_tokens_limit is not None and not 1 <= self.max_tokens_limit <= self.max_context:
+            raise ValueError(f"max_tokens_limit must be between 1 and max_context ({self.max_context}), "
+                             f"got {self.max_tokens_limit}")
         if self.host_pool_tokens is not None and self.host_pool_tokens < 0:
             raise ValueError(f"host_pool_tokens must be >= 0, got {self.host_pool_tokens}")
 

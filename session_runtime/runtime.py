@@ -256,14 +256,15 @@ class Runtime(RuntimeInspection):
         conversation_id: str,
         content: str,
         *,
-        max_tokens: int = 64,
+        max_tokens: Optional[int] = None,
         temperature: float = 0.0,
         seed: Optional[int] = None,
         logprobs: bool = False,
         forced: Optional[dict] = None,
         on_token: Optional[Callable[[int], None]] = None,
     ) -> Step:
-        """Open a turn with a user message and run its first step.
+        """Open a turn with a user message and run its first step (at most
+        `max_tokens`: None is 64, or the server's limit if lower).
 
         `forced` = {reasoning?, content?, tool_calls?} appends that output instead of
         sampling (replay). Raises ConversationNotFound, ConversationBusy (tool calls
@@ -286,7 +287,7 @@ class Runtime(RuntimeInspection):
         conversation_id: str,
         results: Sequence[dict],
         *,
-        max_tokens: int = 64,
+        max_tokens: Optional[int] = None,
         temperature: float = 0.0,
         seed: Optional[int] = None,
         logprobs: bool = False,
@@ -320,9 +321,29 @@ class Runtime(RuntimeInspection):
             return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs),
                               forced, on_token)
 
+    @property
+    def max_tokens_limit(self) -> int:
+        """The most tokens a step may generate: --max-tokens-limit, never more
+        than the context (an SGLang server's may be shorter than ours)."""
+        context = min(self.config.max_context, getattr(self.backend, "max_context", self.config.max_context))
+        return min(self.config.max_tokens_limit or context, context)
+
+    def max_tokens(self, requested: Optional[int], default: int = 64) -> int:
+        """A request's max_tokens: `default` (at most the limit) when None.
+        Raises InvalidRequest above the limit."""
+        limit = self.max_tokens_limit
+        if requested is None:
+            return min(default, limit)
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+            raise InvalidRequest(f"max_tokens must be an integer >= 0, got {requested!r}")
+        if requested > limit:
+            raise InvalidRequest(f"max_tokens {requested} is over this server's limit of {limit} "
+                                 "(--max-tokens-limit, at most the context)")
+        return requested
+
     def _sampling(self, conv, max_tokens, temperature, seed, logprobs) -> SamplingParams:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=seed,
+            max_tokens=self.max_tokens(max_tokens), temperature=temperature, seed=seed,
             stop_token_ids=self.template(conv.template).stop_token_ids, logprobs=logprobs,
         )
 

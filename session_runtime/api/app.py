@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from session_runtime.api.auth import Authenticate, current_caller, tenant_of_new, tenant_tree, visible
 from session_runtime.api.errors import error_response
+from session_runtime.api.limits import BodyLimit
 from session_runtime.api.openai_compat import build_router
 from session_runtime.api.settings import ApiSettings, Caller
 from session_runtime.api.streaming import sse_step
@@ -36,6 +37,8 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
     app.state.runtime = runtime
     app.state.metrics = metrics
     app.state.settings = settings
+    # Added last runs first: the key is checked before the body is read at all.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Authenticate, settings=settings)
 
     @app.exception_handler(RuntimeErrorBase)

@@ -81,6 +81,8 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
     def chat(body: ChatRequest, caller: Caller = Depends(current_caller)):
         if body.stop:
             raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step")
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = runtime.max_tokens(limit, default=256)  # refused before anything changes
         system, rest = None, list(body.messages)
         if rest and rest[0].get("role") in ("system", "developer"):
             system = text_content(rest.pop(0).get("content")) or None
@@ -111,8 +113,7 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         except Exception:
             undo()
             raise
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        options = {"max_tokens": 256 if limit is None else limit,
+        options = {"max_tokens": max_tokens,
                    "temperature": body.temperature, "seed": body.seed, "logprobs": body.logprobs}
         model = body.model or runtime.model_id
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]

@@ -36,7 +36,7 @@ class CreateConversation(BaseModel):
 
 class StepOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    max_tokens: int = Field(default=64, ge=0)
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # None: 64, or the server's limit if lower
     temperature: float = Field(default=0.0, ge=0.0)
     seed: Optional[int] = None
     logprobs: bool = False
