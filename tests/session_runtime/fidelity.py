@@ -117,3 +117,23 @@ def qwen3_deviates(system, tools, turns) -> bool:
     reasoning keeps its (empty) think block, as generated; the official
     template drops it from every step but the last (prefix stability wins)."""
     return any(not reasoning.strip("\n") for reasoning, *_ in turns[-1][1])
+
+
+def hf_official(folder, tok, tpl, system, tools, turns) -> list[int]:
+    """A folder's chat template rendered as SGLang's server renders it (tool-call
+    arguments parsed into objects, reasoning in the field the template reads),
+    by transformers' Jinja environment with the generation prompt, tokenized
+    whole by the folder's tokenizer."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from session_runtime.templates.official import read_chat_template, special_token_kwargs
+
+    msgs = official_messages(system, tools, turns)
+    for m in msgs:
+        if m["role"] == "assistant":
+            m[tpl._thinking_field] = m.pop("reasoning_content")
+            for c in m.get("tool_calls", ()):
+                c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    prompt = render_jinja_template([msgs], tools=tools or None, chat_template=read_chat_template(folder),
+                                   add_generation_prompt=True, **special_token_kwargs(folder))[0][0]
+    return tok.encode(prompt)

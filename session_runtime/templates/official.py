@@ -1,0 +1,156 @@
+"""A model folder's own Jinja chat template, rendered as `transformers` renders
+it, with the control tokens it writes told apart from client text.
+
+`OfficialRenderer.render(messages, tools, generation_prompt)` returns the text
+and the positions of the control tokens the template itself wrote: the same
+conversation is rendered a second time with every control-token spelling in
+client text replaced by same-length filler, and a control token counts only
+where both renderings have it. Tokenizing the text split at those positions
+(client stretches with the plain tokenizer) gives the official token ids,
+except that text can never forge a control token.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from session_runtime.errors import InvalidRequest
+from session_runtime.tokenizer import Tokenizer
+
+_FILLER = "\ue000"  # a private-use character: not whitespace, not a token boundary rule
+
+
+@dataclass(frozen=True)
+class RenderedText:
+    text: str
+    controls: tuple[tuple[int, int], ...]  # (start, end) of each control token the template wrote
+
+    def pieces(self, start: int = 0, end: Optional[int] = None) -> list[tuple[str, bool]]:
+        """text[start:end] as (text, is_control) runs."""
+        end = len(self.text) if end is None else end
+        out, pos = [], start
+        for a, b in self.controls:
+            if b <= start or a >= end:
+                continue
+            assert start <= a and b <= end, "a slice cuts through a control token"
+            if a > pos:
+                out.append((self.text[pos:a], False))
+            out.append((self.text[a:b], True))
+            pos = b
+        if pos < end:
+            out.append((self.text[pos:end], False))
+        return out
+
+
+def read_chat_template(folder: Path) -> Optional[str]:
+    """The folder's chat template: chat_template.jinja, else tokenizer_config.json's
+    `chat_template` (a string, or the `default` of a list of named ones)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get("chat_template")
+    if isinstance(value, list):
+        value = next((t.get("template") for t in value if t.get("name") == "default"), None)
+    return value if isinstance(value, str) else None
+
+
+def special_token_kwargs(folder: Path) -> dict[str, str]:
+    """bos_token, eos_token, ... from tokenizer_config.json, as transformers passes
+    them to the template."""
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return {}
+    out = {}
+    for key, value in json.loads(config.read_text()).items():
+        if key.endswith("_token") and isinstance(value, dict):
+            value = value.get("content")
+        if key.endswith("_token") and isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def _defuse(value: Any, pattern: re.Pattern) -> Any:
+    """`value` with every control-token spelling in its strings replaced by filler
+    of the same length (keys and values, nested)."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: _FILLER * len(m.group()), value)
+    if isinstance(value, dict):
+        return {_defuse(k, pattern): _defuse(v, pattern) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_defuse(v, pattern) for v in value]
+    return value
+
+
+class OfficialRenderer:
+    """Renders OpenAI-style message dicts with the folder's template. Memoized:
+    every step renders the same prefixes again."""
+
+    def __init__(self, chat_template: str, tok: Tokenizer, kwargs: dict[str, str]):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        self.chat_template = chat_template
+        self.tok = tok
+        self.kwargs = dict(kwargs)
+        self._render_jinja = render_jinja_template
+        controls = sorted((t for t in tok.added if t), key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, controls))) if controls else None
+        self._cached = functools.lru_cache(maxsize=4096)(self._render_key)
+
+    def render(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> RenderedText:
+        key = json.dumps([list(messages), list(tools)], ensure_ascii=False)  # key order kept: templates iterate dicts
+        return self._cached(key, generation_prompt)
+
+    def text(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> str:
+        return self.render(messages, tools, generation_prompt).text
+
+    def _jinja(self, messages: list, tools: list, generation_prompt: bool) -> str:
+        try:
+            return self._render_jinja([messages], tools=tools or None, chat_template=self.chat_template,
+                                      add_generation_prompt=generation_prompt, **self.kwargs)[0][0]
+        except Exception as exc:  # the template's raise_exception, or a shape it cannot render
+            raise InvalidRequest(f"the model's chat template refused this conversation: {exc}") from exc
+
+    def _render_key(self, key: str, generation_prompt: bool) -> RenderedText:
+        messages, tools = json.loads(key)
+        text = self._jinja(messages, tools, generation_prompt)
+        if self._pattern is None:
+            return RenderedText(text, ())
+        found = [(m.start(), m.end()) for m in self._pattern.finditer(text)]
+        defused = self._jinja(_defuse(messages, self._pattern), _defuse(tools, self._pattern), generation_prompt)
+        if len(defused) != len(text):
+            raise InvalidRequest("text that spells the model's control tokens changes how its chat template "
+                                 "renders the conversation; remove them")
+        ours = {(m.start(), m.end()) for m in self._pattern.finditer(defused)}
+        return RenderedText(text, tuple(span for span in found if span in ours))
+
+    def encode(self, rendered: RenderedText, start: int = 0, end: Optional[int] = None) -> list[int]:
+        """Token ids of rendered.text[start:end]: control tokens where the template
+        wrote them, every stretch between them tokenized whole as plain text."""
+        ids: list[int] = []
+        for text, control in rendered.pieces(start, end):
+            ids += [self.tok.token_id(text)] if control else self.tok.encode_text(text)
+        return ids
+
+    def encode_with_starts(self, rendered: RenderedText) -> tuple[list[int], list[int]]:
+        """Ids of the whole text and each token's start offset in it."""
+        ids: list[int] = []
+        starts: list[int] = []
+        pos = 0
+        for text, control in rendered.pieces():
+            if control:
+                ids.append(self.tok.token_id(text))
+                starts.append(pos)
+            else:
+                enc = self.tok.plain.encode(text, add_special_tokens=False)
+                ids += enc.ids
+                starts += [pos + a for a, _ in enc.offsets]
+            pos += len(text)
+        return ids, starts
