@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", default=_DEFAULTS.policy,
                        choices=["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"],
                        help="default reasoning policy of new conversations")
-    serve.add_argument("--template", default=_DEFAULTS.template, choices=["auto", "deepseek", "qwen3"],
-                       help="auto: qwen3 for a folder with Qwen's tokenizer, else deepseek")
+    serve.add_argument("--template", default=_DEFAULTS.template, choices=["auto", "deepseek", "qwen3", "hf"],
+                       help="hf: the model folder's own chat template; auto: a built-in template for a folder whose "
+                            "chat template is its official one, hf for any other, else qwen3 for Qwen's tokenizer, "
+                            "else deepseek")
     serve.add_argument("--data-dir", default="data", help="SQLite store of conversations ('' keeps them in memory)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind; one other than loopback needs an API key (or --insecure)")

@@ -30,7 +30,7 @@ from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
 from session_runtime.store import Store
-from session_runtime.templates import Message, Template, ToolCall, build_template
+from session_runtime.templates import Message, Template, ToolCall, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
 from session_runtime import importer
 from session_runtime.inspection import RuntimeInspection
@@ -46,8 +46,7 @@ class Runtime(RuntimeInspection):
         self.config = config or RuntimeConfig()
         self.tokenizer = load_tokenizer(self.config.model, self.config.template)
         if self.config.template == "auto":
-            qwen = self.tokenizer.inner.token_to_id("<|im_start|>") is not None
-            self.config = self.config.replace(template="qwen3" if qwen else "deepseek")
+            self.config = self.config.replace(template=auto_template(self.config.model, self.tokenizer))
         self.backend = create_backend(self.config, self.tokenizer)
         # The embedded engine's internals, for its own tests and benchmarks.
         self.engine = self.backend if self.backend.name == "embedded" else None
@@ -118,7 +117,7 @@ class Runtime(RuntimeInspection):
         with self._lock:
             if name not in self._templates:
                 try:
-                    self._templates[name] = build_template(name, self.tokenizer)
+                    self._templates[name] = build_template(name, self.tokenizer, self.config.model)
                 except InvalidRequest as exc:  # a special token the tokenizer lacks
                     raise InvalidRequest(f"template {name!r} does not fit tokenizer {self.tokenizer.name}: {exc}")
             return self._templates[name]

@@ -28,7 +28,7 @@ class CreateConversation(BaseModel):
     policy: Optional[Literal["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"]] = None
     keep_last_k: int = Field(default=1, ge=0)
     materialize: Literal["auto", "always", "never"] = "auto"
-    template: Optional[Literal["deepseek", "qwen3"]] = None
+    template: Optional[Literal["deepseek", "qwen3", "hf"]] = None
     continue_probability: float = Field(default=0.8, ge=0.0, le=1.0)
     offload: Optional[Literal["never", "always", "ttl", "pressure", "discard"]] = None
     ttl_s: float = Field(default=2.0, ge=0.0)
