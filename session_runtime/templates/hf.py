@@ -22,6 +22,7 @@ that start inside its text.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Optional, Sequence
@@ -54,6 +55,7 @@ class HFTemplate:
         self.parser = parser_for(chat_template)
         self.call_marker = self.parser.call_marker
         self._user_header = self._find_user_header()
+        self._heads = functools.lru_cache(maxsize=256)(self._head_spans)
 
     # ----- the folder -------------------------------------------------------------
 
@@ -161,8 +163,16 @@ class HFTemplate:
 
     def _head(self, out: Rendered, dicts: list[dict], tools: list[dict], offset: int, groups, ends, closed: bool) -> None:
         """The template's own rendering of `dicts` (closed: as history before a next
-        user message). Spans start where a prefix's rendering is a prefix of it; a
-        message whose start moves with what follows joins the span before."""
+        user message), memoized: it changes only when a turn opens or closes."""
+        kinds = [_KIND[role] for role, _ in groups]
+        key = json.dumps([dicts, tools, offset, kinds, [len(g) for _, g in groups], closed], ensure_ascii=False)
+        for kind, ids in self._heads(key):
+            out.add(kind, list(ids))
+
+    def _head_spans(self, key: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Spans start where a prefix's rendering is a prefix of the head; a message
+        whose start moves with what follows joins the span before."""
+        dicts, tools, offset, kinds, sizes, closed = json.loads(key)
         if closed:
             text = self.official.render([*dicts, {"role": "user", "content": _SENTINEL}], tools, False)
             cut = text.text.index(_SENTINEL) - len(self._user_header)
@@ -174,24 +184,27 @@ class HFTemplate:
         ids, starts = self.official.encode_with_starts(
             RenderedText(text.text[:cut], tuple(c for c in text.controls if c[1] <= cut)))
         marks = [(0, "system")]
-        for (role, group), end in zip(groups, ends):
-            if end - len(group) == 0 and offset == 0:
-                marks = [(0, _KIND[role])]
-                continue
-            try:
-                prefix = self.official.text(dicts[: offset + end - len(group)], tools, False)
-            except InvalidRequest:  # a prefix the template cannot render alone (Llama 3's tools need a user)
-                continue
-            if text.text.startswith(prefix) and marks[-1][0] < len(prefix) <= cut:
-                marks.append((len(prefix), _KIND[role]))
-        k = 0
+        start = 0
+        for kind, size in zip(kinds, sizes):
+            if start == 0 and offset == 0:
+                marks = [(0, kind)]
+            else:
+                try:
+                    prefix = self.official.plain_text(dicts[: offset + start], tools)
+                except InvalidRequest:  # a prefix the template cannot render alone (Llama 3's tools need a user)
+                    prefix = None
+                if prefix is not None and text.text.startswith(prefix) and marks[-1][0] < len(prefix) <= cut:
+                    marks.append((len(prefix), kind))
+            start += size
+        spans, k = [], 0
         for i, (_, kind) in enumerate(marks):
             stop = marks[i + 1][0] if i + 1 < len(marks) else cut
             j = k
             while j < len(ids) and starts[j] < stop:
                 j += 1
-            out.add(kind, ids[k:j])
+            spans.append((kind, tuple(ids[k:j])))
             k = j
+        return tuple(spans)
 
     def _appended(self, before: list[dict], after: list[dict], tools: list[dict], kind: str) -> list[int]:
         """Ids of the text the template adds for the messages between `before` and `after`."""

@@ -102,7 +102,7 @@ class OfficialRenderer:
         self._render_jinja = render_jinja_template
         controls = sorted((t for t in tok.added if t), key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, controls))) if controls else None
-        self._cached = functools.lru_cache(maxsize=4096)(self._render_key)
+        self._cached = functools.lru_cache(maxsize=1024)(self._render_key)
 
     def render(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> RenderedText:
         key = json.dumps([list(messages), list(tools)], ensure_ascii=False)  # key order kept: templates iterate dicts
@@ -110,6 +110,10 @@ class OfficialRenderer:
 
     def text(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> str:
         return self.render(messages, tools, generation_prompt).text
+
+    def plain_text(self, messages: Sequence[dict], tools: Sequence[dict]) -> str:
+        """The rendering without the generation prompt, not memoized (a one-off)."""
+        return self._jinja(list(messages), list(tools), False)
 
     def _jinja(self, messages: list, tools: list, generation_prompt: bool) -> str:
         try:
