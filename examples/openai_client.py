@@ -41,10 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16, help="sampled tokens per request")
     ap.add_argument("--max-steps", type=int, default=3, help="requests per turn before the agent stops it")
     ap.add_argument("--no-fallback", action="store_true", help="never substitute the scripted tool calls")
-    ap.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    ap.add_argument("--model", default=None, help="model name to send (default: the server's, from /v1/models)")
+    ap.add_argument("--api-key", default="not-needed", help="the server's API key, if it has one")
     args = ap.parse_args(argv)
 
-    client = OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="not-needed", max_retries=0, timeout=300)
+    client = OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=300)
+    model = args.model or client.models.list().data[0].id  # a server checks the name against the one it serves
     policy = ScriptedPolicy()
     cid = "openai-agent-" + uuid.uuid4().hex[:8]
     messages: list[dict] = [{"role": "system", "content": SYSTEM}]
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     def ask() -> object:
         nonlocal requests, cached_total, prompt_total
         resp = client.chat.completions.create(
-            model=args.model or "tiny", messages=messages, tools=TOOLS, max_tokens=args.max_tokens,
+            model=model, messages=messages, tools=TOOLS, max_tokens=args.max_tokens,
             temperature=0.0, extra_body={"conversation_id": cid},
         )
         requests += 1

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class RuntimeErrorBase(Exception):
-    """Base of every error the runtime raises on purpose."""
+    """Base of every error the runtime raises on purpose. `param` names the
+    request field at fault, where there is one (OpenAI's error has it)."""
 
     status = 400
     error_type = "invalid_request"
+    param: Optional[str] = None
+
+    def __init__(self, *args: object, param: Optional[str] = None):
+        super().__init__(*args)
+        if param is not None:
+            self.param = param
 
 
 class ConversationNotFound(RuntimeErrorBase, KeyError):

@@ -334,10 +334,10 @@ class Runtime(RuntimeInspection):
         if requested is None:
             return min(default, limit)
         if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
-            raise InvalidRequest(f"max_tokens must be an integer >= 0, got {requested!r}")
+            raise InvalidRequest(f"max_tokens must be an integer >= 0, got {requested!r}", param="max_tokens")
         if requested > limit:
             raise InvalidRequest(f"max_tokens {requested} is over this server's limit of {limit} "
-                                 "(--max-tokens-limit, at most the context)")
+                                 "(--max-tokens-limit, at most the context)", param="max_tokens")
         return requested
 
     def _sampling(self, conv, max_tokens, temperature, seed, logprobs) -> SamplingParams:

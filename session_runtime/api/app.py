@@ -1,8 +1,9 @@
 """create_app(runtime, settings): the session HTTP API (DESIGN.md section 8).
 
-Every runtime error maps once, here, to `{error: {type, message}}` with a 4xx
-(or 507 for an exhausted pool); a failed request changes nothing because the
-runtime commits only after a step succeeds. The API key names the caller
+Every error maps once, here, to `{error: {type, message}}` with a 4xx (or 507
+for an exhausted pool), or to OpenAI's error on the OpenAI-compatible routes
+(api/errors.py); a failed request changes nothing because the runtime commits
+only after a step succeeds. The API key names the caller
 (api/auth.py); a conversation of another tenant is answered as one that does
 not exist.
 """
@@ -10,16 +11,17 @@ not exist.
 from __future__ import annotations
 
 import dataclasses
-import logging
+import importlib.metadata
 import time
 from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from session_runtime.api.auth import Authenticate, current_caller, tenant_of_new, tenant_tree, visible
-from session_runtime.api.errors import error_response
+from session_runtime.api.errors import ApiError, InternalErrors, error_response
 from session_runtime.api.limits import BodyLimit
 from session_runtime.api.openai_compat import build_router
 from session_runtime.api.settings import ApiSettings, Caller
@@ -30,6 +32,20 @@ from session_runtime.errors import RuntimeErrorBase
 from session_runtime.metrics import Metrics
 from session_runtime.runtime import Runtime
 
+def _param(errors: list[dict]) -> Optional[str]:
+    """The field at fault in a validation error (`max_tokens`, `messages.0`),
+    without the leading `body` or `query`."""
+    loc = [str(p) for p in errors[0]["loc"][1:]] if errors else []
+    return ".".join(loc) or None
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("session-runtime")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> FastAPI:
     settings = settings or ApiSettings()
     app = FastAPI(title="session-runtime")
@@ -38,24 +54,40 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
     app.state.metrics = metrics
     app.state.settings = settings
     # Added last runs first: the key is checked before the body is read at all.
+    app.add_middleware(InternalErrors, on_error=metrics.record_error)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Authenticate, settings=settings)
 
     @app.exception_handler(RuntimeErrorBase)
-    def _runtime_error(_: Request, exc: RuntimeErrorBase) -> JSONResponse:
+    def _runtime_error(request: Request, exc: RuntimeErrorBase) -> JSONResponse:
         metrics.record_error()
-        return error_response(exc.status, exc.error_type, str(exc))
+        return error_response(ApiError.of(exc), request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-        return error_response(422, "validation_error", "; ".join(parts))
+    def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors]
+        return error_response(ApiError(422, "validation_error", "; ".join(parts), param=_param(errors)),
+                              request.url.path)
 
-    @app.exception_handler(Exception)
-    def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logging.getLogger("session_runtime").exception("internal error")
-        metrics.record_error()
-        return error_response(500, "internal", f"{type(exc).__name__}: {exc}")
+    @app.exception_handler(StarletteHTTPException)
+    def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own answers (no such route, a wrong method), in our shape.
+        method, path = request.method, request.url.path
+        headers = {k.lower(): v for k, v in (exc.headers or {}).items()}
+        if exc.status_code == 404:
+            err = ApiError(404, "not_found", f"no route {method} {path}")
+        elif exc.status_code == 405:
+            err = ApiError(405, "method_not_allowed",
+                           f"{method} is not allowed on {path} (allowed: {headers.get('allow', '')})", headers=headers)
+        else:
+            err = ApiError(exc.status_code, "invalid_request" if exc.status_code < 500 else "internal",
+                           str(exc.detail), headers=headers)
+        return error_response(err, path)
+
+    @app.get("/version")
+    def version() -> dict:
+        return {"version": _version()}
 
     @app.get("/health")
     def health():

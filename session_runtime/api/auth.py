@@ -20,21 +20,16 @@ from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radix_ext.tree import NodeInfo
-from session_runtime.api.errors import error_response
+from session_runtime.api.errors import ApiError, Forbidden, error_response
 from session_runtime.api.settings import OPEN, ApiSettings, Caller
 from session_runtime.conversation import Conversation
-from session_runtime.errors import ConversationNotFound, RuntimeErrorBase
+from session_runtime.errors import ConversationNotFound
 
 if TYPE_CHECKING:
     from session_runtime.runtime import Runtime
 
 # Open to everyone: liveness, the version, and the API's schema (no data).
 OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-
-
-class Forbidden(RuntimeErrorBase):
-    status = 403
-    error_type = "forbidden"
 
 
 def presented_key(authorization: Optional[str]) -> Optional[str]:
@@ -89,9 +84,10 @@ class Authenticate:
             challenge = 'Basic realm="session-runtime"' if path.startswith("/debug/") else "Bearer"
             message = ("no API key: send the header 'Authorization: Bearer KEY'" if key is None
                        else "the API key is not valid")
-            return None, error_response(401, "unauthorized", message, {"www-authenticate": challenge})
+            return None, error_response(ApiError(401, "unauthorized", message,
+                                                 headers={"www-authenticate": challenge}), path)
         if not caller.admin and (path.startswith("/admin/") or path == "/metrics"):
-            return None, error_response(403, "forbidden", f"{path} needs the admin key")
+            return None, error_response(ApiError(403, "forbidden", f"{path} needs the admin key"), path)
         return caller, None
 
 

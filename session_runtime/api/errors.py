@@ -1,14 +1,123 @@
-"""Error bodies of the HTTP edge, built in one place: `{error: {type, message}}`."""
+"""Error bodies of the HTTP edge, built in one place, in the shape of the
+route's family:
+
+- the session API (`/v1/conversations...`, `/debug/*`, `/admin/*`, the rest):
+  `{"error": {"type", "message"}}` with its documented codes (422 for a
+  malformed body);
+- the OpenAI-compatible routes (every other `/v1/...`): OpenAI's
+  `{"error": {"message", "type", "param", "code"}}` with OpenAI's status codes
+  (400 for a malformed body or bad input, 401, 404, ...).
+
+Every error is first an ApiError (the session API's status and type), then
+rendered for the route that failed.
+"""
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
 
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from session_runtime.errors import RuntimeErrorBase
 
 
-def error_response(status: int, kind: str, message: str, headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
+class Forbidden(RuntimeErrorBase):
+    status = 403
+    error_type = "forbidden"
+
+
+class ModelNotFound(RuntimeErrorBase):
+    """A request names a model this server does not serve (OpenAI: 404 model_not_found)."""
+
+    status = 404
+    error_type = "model_not_found"
+
+
+@dataclass(frozen=True)
+class ApiError:
+    status: int  # the session API's
+    kind: str  # the session API's type
+    message: str
+    param: Optional[str] = None  # the request field at fault, where one is
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, exc: RuntimeErrorBase) -> "ApiError":
+        return cls(exc.status, exc.error_type, str(exc), getattr(exc, "param", None))
+
+
+def is_openai_route(path: str) -> bool:
+    return path.startswith("/v1/") and not (path == "/v1/conversations" or path.startswith("/v1/conversations/"))
+
+
+# The session API's status -> OpenAI's status and type; others keep their
+# status, as invalid_request_error (4xx) or server_error (5xx).
+_OPENAI_STATUS = {
+    401: (401, "authentication_error"),
+    403: (403, "permission_error"),
+    422: (400, "invalid_request_error"),  # a malformed body or bad input
+    507: (503, "server_error"),  # the KV pool is full: OpenAI has no 507
+}
+# The session API's type -> OpenAI's code (None: OpenAI's null); others as they are.
+_OPENAI_CODE = {"context_too_long": "context_length_exceeded", "unauthorized": "invalid_api_key",
+                "invalid_request": None, "validation_error": None, "internal": None}
+
+
+def openai_body(err: ApiError) -> tuple[int, dict]:
+    """(OpenAI's status, its error object) for an ApiError."""
+    default = (err.status, "invalid_request_error" if err.status < 500 else "server_error")
+    status, kind = _OPENAI_STATUS.get(err.status, default)
+    if err.kind == "context_too_long":
+        status = 400  # OpenAI answers a prompt over the context with 400 context_length_exceeded
+    return status, {"message": err.message, "type": kind, "param": err.param, "code": _OPENAI_CODE.get(err.kind, err.kind)}
+
+
+def session_body(err: ApiError) -> dict:
+    return {"type": err.kind, "message": err.message}
+
+
+def error_response(err: ApiError, path: str) -> JSONResponse:
+    if is_openai_route(path):
+        status, body = openai_body(err)
+    else:
+        status, body = err.status, session_body(err)
     # A client error will fail the same way again: tell OpenAI's SDK not to retry it.
     extra = {"x-should-retry": "false"} if 400 <= status < 500 else {}
-    return JSONResponse(status_code=status, content={"error": {"type": kind, "message": message}},
-                        headers={**extra, **(headers or {})})
+    return JSONResponse(status_code=status, content={"error": body}, headers={**extra, **err.headers})
+
+
+class InternalErrors:
+    """Pure ASGI middleware: an exception no handler took (a bug) becomes a 500
+    that says "internal error"; its text and traceback go to the log only.
+    Answered here, inside Starlette's ServerErrorMiddleware, because that one
+    re-raises to the HTTP server, which then drops the connection under the
+    client. A response already under way cannot change its status: that
+    exception goes on up, and the server closes the connection."""
+
+    def __init__(self, app: ASGIApp, on_error: Callable[[], None] = lambda: None):
+        self.app = app
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            logging.getLogger("session_runtime").error("internal error on %s %s", scope["method"], scope["path"],
+                                                       exc_info=exc)
+            self.on_error()
+            if started:
+                raise
+            await error_response(ApiError(500, "internal", "internal error"), scope["path"])(scope, receive, send)

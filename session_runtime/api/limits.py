@@ -12,7 +12,7 @@ from typing import Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from session_runtime.api.errors import error_response
+from session_runtime.api.errors import ApiError, error_response
 
 
 class BodyLimit:
@@ -54,9 +54,9 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(413, "request_too_large",
-                                  f"the request body is over this server's limit of {self.max_bytes} bytes "
-                                  "(--max-body-bytes)", {"connection": "close"})
+        message = f"the request body is over this server's limit of {self.max_bytes} bytes (--max-body-bytes)"
+        response = error_response(ApiError(413, "request_too_large", message, headers={"connection": "close"}),
+                                  scope["path"])
         await response(scope, receive, send)
 
 

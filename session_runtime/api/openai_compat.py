@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_runtime.api.auth import current_caller
+from session_runtime.api.errors import ModelNotFound, openai_body
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import sse_step
 from session_runtime.errors import ConversationNotFound, InvalidRequest
@@ -76,9 +77,25 @@ def completion(step: Step, model: str, rid: str) -> dict:
 
 def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
     router = APIRouter()
+    created = int(time.time())
+
+    def card() -> dict:
+        return {"id": runtime.model_id, "object": "model", "created": created, "owned_by": "session-runtime"}
+
+    @router.get("/v1/models")
+    def models() -> dict:
+        """The one model this server serves, as OpenAI lists models."""
+        return {"object": "list", "data": [card()]}
+
+    @router.get("/v1/models/{model:path}")
+    def model(model: str) -> dict:
+        _check_model(runtime, model)
+        return card()
 
     @router.post("/v1/chat/completions")
     def chat(body: ChatRequest, caller: Caller = Depends(current_caller)):
+        if body.model is not None:
+            _check_model(runtime, body.model)
         if body.stop:
             raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -115,7 +132,7 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
             raise
         options = {"max_tokens": max_tokens,
                    "temperature": body.temperature, "seed": body.seed, "logprobs": body.logprobs}
-        model = body.model or runtime.model_id
+        model = runtime.model_id
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
 
         def run(on_token=None) -> Step:
@@ -140,6 +157,13 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         return StreamingResponse(_prepend(first, sse_step(run, tpl, fmt)), media_type="text/event-stream")
 
     return router
+
+
+def _check_model(runtime: Runtime, model: str) -> None:
+    """Raises ModelNotFound (OpenAI: 404 model_not_found) for another model."""
+    if model != runtime.model_id:
+        raise ModelNotFound(f"the model {model!r} does not exist: this server serves {runtime.model_id!r} "
+                            "(GET /v1/models)", param="model")
 
 
 def _tail(messages: list[dict]) -> list[dict]:
@@ -191,7 +215,7 @@ def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False) 
     if kind == "content":
         return {**base, "choices": [{"index": 0, "delta": {"content": value}, "finish_reason": None}]}
     if kind == "error":
-        return {"error": value}
+        return {"error": openai_body(value)[1]}
     step: Step = value
     delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(_tool_calls(step))]} if step.tool_calls else {}
     final = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": _FINISH.get(step.finish_reason, "stop")}],

@@ -8,10 +8,12 @@ a client that disconnects mid-stream leaves a complete, consistent turn.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 from typing import Callable, Iterator
 
+from session_runtime.api.errors import ApiError
 from session_runtime.errors import RuntimeErrorBase
 from session_runtime.step import Step
 from session_runtime.templates.base import Template
@@ -23,7 +25,7 @@ def session_event(kind: str, payload: object) -> dict:
     if kind == "step":
         return {"type": "step", **payload.as_dict()}
     if kind == "error":
-        return {"type": "error", "error": payload}
+        return {"type": "error", "error": {"type": payload.kind, "message": payload.message, "status": payload.status}}
     return {"type": kind, "delta": payload}
 
 
@@ -37,9 +39,10 @@ def sse_step(run: Callable[[Callable[[int], None]], Step], tpl: Template, fmt: F
         try:
             events.put(("step", run(lambda tok: events.put(("token", tok)))))
         except RuntimeErrorBase as exc:
-            events.put(("error", {"type": exc.error_type, "message": str(exc), "status": exc.status}))
-        except Exception as exc:  # an engine bug: report it rather than hang the stream
-            events.put(("error", {"type": "internal", "message": f"{type(exc).__name__}: {exc}", "status": 500}))
+            events.put(("error", ApiError.of(exc)))
+        except Exception:  # an engine bug: report it rather than hang the stream; its text goes to the log only
+            logging.getLogger("session_runtime").exception("internal error in a streamed step")
+            events.put(("error", ApiError(500, "internal", "internal error")))
 
     threading.Thread(target=worker, name="sse-step", daemon=True).start()
     return _lines(events, tpl, fmt)

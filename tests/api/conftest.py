@@ -134,6 +134,19 @@ def error_of(r: httpx.Response, status: int, kind: Optional[str] = None) -> str:
     return body["error"]["message"]
 
 
+def openai_error_of(r: httpx.Response, status: int, kind: str, code: Optional[str] = None,
+                    param: Optional[str] = None) -> str:
+    """Assert OpenAI's `{"error": {"message", "type", "param", "code"}}` shape,
+    the status, type, code and param; returns the message."""
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert (body["error"]["type"], body["error"]["code"], body["error"]["param"]) == (kind, code, param), body
+    return body["error"]["message"]
+
+
 def snapshot(client: httpx.Client, cid: str) -> tuple:
     """What a failed request must leave as it was: the conversation with its
     token ids, and its nodes of the tree (hit counts and ages aside)."""

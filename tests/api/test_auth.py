@@ -20,7 +20,7 @@ from openai import OpenAI
 from session_runtime.api.settings import ApiSettings, Caller, load_credentials
 from session_runtime.cli import main
 
-from tests.api.conftest import create, error_of, served, snapshot, step_ok
+from tests.api.conftest import create, error_of, openai_error_of, served, snapshot, step_ok
 
 ADMIN, DEFAULT, KEY_A, KEY_B = "admin-key-0", "default-key-0", "key-of-a", "key-of-b"
 FORCED = {"reasoning": "Think.", "content": "Done."}
@@ -69,7 +69,8 @@ def test_without_a_key_every_route_but_health_is_401(clients, keyed):
         headers = bearer(key) if key else {}
         for method, path, body in requests:
             r = anon.request(method, path, json=body, headers=headers)
-            message = error_of(r, 401, "unauthorized")
+            message = (openai_error_of(r, 401, "authentication_error", "invalid_api_key")
+                       if path.startswith("/v1/chat/") else error_of(r, 401, "unauthorized"))
             assert message == ("no API key: send the header 'Authorization: Bearer KEY'" if key is None
                                else "the API key is not valid"), (method, path)
             assert r.headers["www-authenticate"] == (

@@ -16,7 +16,7 @@ from session_runtime.api.settings import ApiSettings
 from session_runtime.cli import main
 from session_runtime.config import RuntimeConfig
 
-from tests.api.conftest import MAX_CONTEXT, create, error_of, served, snapshot, step_ok
+from tests.api.conftest import MAX_CONTEXT, create, error_of, openai_error_of, served, snapshot, step_ok
 
 LIMIT = 2048
 MAX_TOKENS = 8
@@ -126,7 +126,8 @@ def test_max_tokens_over_the_limit_is_refused(limited):
     count = len(live.runtime.conversations)
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9,
                                                   "conversation_id": "limits-new"})
-    assert r.status_code >= 400 and len(live.runtime.conversations) == count
+    assert openai_error_of(r, 400, "invalid_request_error", None, "max_tokens") == message
+    assert len(live.runtime.conversations) == count
 
 
 def test_the_limit_defaults_to_the_context_and_never_passes_it(capsys):

@@ -17,8 +17,6 @@ import openai
 import pytest
 from openai import OpenAI
 
-from session_runtime.errors import InvalidRequest
-
 from tests.api.conftest import PAGE, create, error_of, first_prompt_len, step_ok
 
 TOOLS = [{"type": "function", "function": {
@@ -74,9 +72,16 @@ def test_chat_with_system_and_user(oai, client, rt):
         ("user", "Hello", None), ("assistant", choice.message.content, choice.message.reasoning_content)]
     assert d["turns"][0]["steps"] == [extra(r, "accounting")]
 
-    # A model name the server does not have is echoed, not rejected.
-    r2 = chat(oai, [sys(system), user("Hello")], max_tokens=1, extra_body={"model": "anything"})
-    assert r2.usage.completion_tokens == 1
+    # A model the server does not serve is 404 model_not_found, as OpenAI answers it; no model is the served one.
+    count = len(rt.conversations)
+    with pytest.raises(openai.NotFoundError) as e:
+        chat(oai, [sys(system), user("Hello")], max_tokens=1, extra_body={"model": "anything"})
+    assert e.value.response.json() == {"error": {
+        "message": "the model 'anything' does not exist: this server serves 'tiny' (GET /v1/models)",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    assert len(rt.conversations) == count
+    r2 = client.post("/v1/chat/completions", json={"messages": [sys(system), user("Hello")], "max_tokens": 1})
+    assert (r2.json()["model"], r2.json()["usage"]["completion_tokens"]) == ("tiny", 1)
 
 
 def test_conversation_id_reuses_the_exact_fork(oai, client, rt):
@@ -168,10 +173,9 @@ def test_tool_calls_pending_via_openai(oai, client, rt):
     next request answers it with a tool message."""
     system = "[pending] Tools pending."
     call = {"id": "c9", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}
-    with pytest.raises(openai.APIStatusError) as e:
+    with pytest.raises(openai.BadRequestError) as e:
         chat(oai, [sys(system), user("Rome?"), {"role": "assistant", "content": "", "tool_calls": [call]}],
              tools=TOOLS, max_tokens=2, extra_body={"conversation_id": "oa-pending"})
-    assert e.value.status_code == InvalidRequest.status
     assert e.value.response.json()["error"]["message"] == "the last message must be a user message or tool results"
     r = chat(oai, [sys(system), user("Rome?"), {"role": "assistant", "content": "", "tool_calls": [call]},
                    {"role": "tool", "tool_call_id": "c9", "content": "rain"}],
@@ -268,27 +272,33 @@ def test_stream_content_deltas(oai, client, rt, monkeypatch):
 
 
 def test_errors(oai, client, rt):
+    """OpenAI's shape, status codes and types: 400 invalid_request_error for bad
+    input and a malformed body (not 422), context_length_exceeded for a prompt over the context."""
     def status_of(messages, **kw):
         with pytest.raises(openai.APIStatusError) as e:
             chat(oai, messages, max_tokens=2, **kw)
         body = e.value.response.json()
-        assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
         return e.value.status_code, body["error"]
 
     count = len(rt.conversations)
-    assert status_of([sys("only a system prompt")]) == (
-        InvalidRequest.status, {"type": "invalid_request", "message": "messages must hold a user message"})
-    assert status_of([user("a"), {"role": "assistant", "content": "b"}])[0] == InvalidRequest.status
+    assert status_of([sys("only a system prompt")]) == (400, {
+        "type": "invalid_request_error", "message": "messages must hold a user message", "param": None, "code": None})
+    assert status_of([user("a"), {"role": "assistant", "content": "b"}])[0] == 400
     assert status_of([{"role": "tool", "content": "x"}, user("a")])[1]["message"] == (
         "messages[0]: a tool result must follow an assistant tool call")
     assert status_of([{"role": "robot", "content": "x"}, user("a")])[1]["message"] == (
         "messages[0].role must be user, assistant or tool (system first)")
     code, err = status_of([user("word " * 600)])
-    assert (code, err["type"]) == (413, "context_too_long")
+    assert (code, err["type"], err["code"]) == (400, "invalid_request_error", "context_length_exceeded")
     code, err = status_of([])
-    assert (code, err["type"]) == (422, "validation_error") and err["message"].startswith("body.messages")
+    assert (code, err["type"], err["param"]) == (400, "invalid_request_error", "messages")
+    assert err["message"].startswith("body.messages")
     code, err = status_of([user("a")], extra_body={"max_tokens": -1})
-    assert (code, err["type"]) == (422, "validation_error")
+    assert (code, err["type"], err["param"]) == (400, "invalid_request_error", "max_tokens")
+    code, err = status_of([user("a")], extra_body={"max_tokens": 513})
+    assert (code, err["param"], err["message"]) == (
+        400, "max_tokens", "max_tokens 513 is over this server's limit of 512 (--max-tokens-limit, at most the context)")
     assert len(rt.conversations) == count  # throw-away conversations are gone after errors too
     rt.check_integrity()
 
@@ -305,7 +315,7 @@ def test_a_failed_request_with_a_differing_history_changes_nothing(oai, client):
     with pytest.raises(openai.APIStatusError) as e:
         chat(oai, [sys(system), user("Other"), {"role": "assistant", "content": "x"}, user("word " * 600)],
              max_tokens=2, extra_body={"conversation_id": "oa-fail-replace"})
-    assert e.value.status_code == 413
+    assert (e.value.status_code, e.value.code) == (400, "context_length_exceeded")
     assert client.get("/v1/conversations/oa-fail-replace", params={"tokens": 1}).json() == before
 
 
@@ -316,14 +326,14 @@ def test_a_failed_request_with_another_system_prompt_changes_nothing(oai, client
     with pytest.raises(openai.APIStatusError) as e:
         chat(oai, [sys("[fail-system] Another."), user("word " * 600)], max_tokens=2,
              extra_body={"conversation_id": "oa-fail-system"})
-    assert e.value.status_code == 413
+    assert (e.value.status_code, e.value.code) == (400, "context_length_exceeded")
     assert client.get("/v1/conversations/oa-fail-system", params={"tokens": 1}).json() == before
 
 
 def test_a_failed_request_with_a_new_conversation_id_creates_nothing(oai, client):
     with pytest.raises(openai.APIStatusError) as e:
         chat(oai, [user("word " * 600)], max_tokens=2, extra_body={"conversation_id": "oa-fail-new"})
-    assert e.value.status_code == 413
+    assert (e.value.status_code, e.value.code) == (400, "context_length_exceeded")
     error_of(client.get("/v1/conversations/oa-fail-new"), 404, "not_found")
 
 
@@ -348,9 +358,9 @@ def test_content_parts_in_earlier_messages_are_accepted(oai, client):
     assert json.loads(json.dumps(d["history"]))[1]["content"] == "Hello."
 
 
-def test_unsupported_options_are_422_not_ignored(oai):
+def test_unsupported_options_are_400_not_ignored(oai):
     for extra_args in ({"n": 2}, {"stop": ["\n"]}):
-        with pytest.raises(openai.UnprocessableEntityError):
+        with pytest.raises(openai.BadRequestError):
             chat(oai, [sys("[unsupported] Options."), user("Hi")], max_tokens=2, **extra_args)
 
 
