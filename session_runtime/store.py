@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -82,7 +83,12 @@ class Store:
     """One SQLite file; safe to call from several threads."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # The file holds every tenant's conversations: readable by its owner
+        # only (SQLite gives its -wal and -shm files the same mode), in a new
+        # folder only its owner may list; an older file is tightened too.
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+        os.chmod(path, 0o600)
         self.path = path
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")

@@ -176,3 +176,41 @@ def test_steps_after_the_restart_are_stored_too(restarted):
             assert layers(rt3.describe(ids[name])) == layers(body), name
     finally:
         rt3.close()
+
+
+def test_the_data_file_is_its_owners_only(tmp_path):
+    """Every tenant's conversations are in one file: mode 0600 (its WAL and
+    shared-memory files too), in a new folder of mode 0700, whatever the umask;
+    a file an older version left readable is tightened."""
+    import os
+    import stat
+
+    from session_runtime.conversation import Conversation
+    from session_runtime.offload import OffloadSettings
+    from session_runtime.policies import MaterializeSettings, ReasoningPolicy
+    from session_runtime.store import Store
+
+    def mode(p) -> int:
+        return stat.S_IMODE(os.stat(p).st_mode)
+
+    old = os.umask(0o002)
+    try:
+        path = tmp_path / "new" / "conversations.sqlite3"
+        store = Store(path)
+        store.save(Conversation(id="c1", system="secret", tools=[], tenant="a", template="deepseek",
+                                policy=ReasoningPolicy("drop", 1), materialize=MaterializeSettings("auto"),
+                                offload=OffloadSettings("never")))
+        files = sorted(p.name for p in path.parent.iterdir())
+        assert files == ["conversations.sqlite3", "conversations.sqlite3-shm", "conversations.sqlite3-wal"]
+        assert {f: mode(path.parent / f) for f in files} == dict.fromkeys(files, 0o600)
+        assert mode(path.parent) == 0o700
+        assert [c.system for c in store.load_all()] == ["secret"]
+        store.close()
+
+        legacy = tmp_path / "legacy.sqlite3"
+        legacy.touch(mode=0o644)
+        os.chmod(legacy, 0o644)
+        Store(legacy).close()
+        assert mode(legacy) == 0o600
+    finally:
+        os.umask(old)
