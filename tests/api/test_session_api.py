@@ -442,7 +442,7 @@ CREATE_422 = [
     ({"policy": "bogus"}, "body.policy: Input should be"),
     ({"keep_last_k": -1}, "body.keep_last_k: Input should be greater than or equal to 0"),
     ({"materialize": "sometimes"}, "body.materialize: Input should be 'auto', 'always' or 'never'"),
-    ({"template": "chatml"}, "body.template: Input should be 'deepseek' or 'qwen3'"),
+    ({"template": "chatml"}, "body.template: Input should be 'deepseek', 'qwen3' or 'hf'"),
     ({"continue_probability": 1.5}, "body.continue_probability: Input should be less than or equal to 1"),
     ({"tools": "get_weather"}, "body.tools: Input should be a valid list"),
     ({"system": ["a"]}, "body.system: Input should be a valid string"),
