@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import time
 import warnings
@@ -20,8 +21,9 @@ _API_DEFAULTS = ApiSettings()
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="session-runtime")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the session HTTP API")
+    serve = sub.add_parser("serve", help="run the session HTTP API", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--backend", default=_DEFAULTS.backend, choices=["embedded", "sglang"],
                        help="embedded: our engine in this process, one step at a time; sglang: SGLang's own "
                             "server (batched), launched from these model flags or given by --sglang-url")
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=_DEFAULTS.dtype, help="float32, bfloat16 or float16")
     serve.add_argument("--attention", default=_DEFAULTS.attention, choices=ATTENTION_BACKENDS,
                        help="auto: flashinfer on cuda where it runs, else torch SDPA")
-    serve.add_argument("--page-size", type=int, default=_DEFAULTS.page_size)
+    serve.add_argument("--page-size", type=int, default=_DEFAULTS.page_size, help="tokens per KV page")
     serve.add_argument("--pool-tokens", type=int, default=_DEFAULTS.pool_tokens, help="device KV pool size")
     serve.add_argument("--host-pool-tokens", type=int, default=_DEFAULTS.host_pool_tokens,
                        help="host-tier KV capacity in tokens for tool-wait offload, allocated at start "
@@ -56,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--idle-ttl-s", type=float, default=_DEFAULTS.idle_ttl_s,
                        help="a closed conversation idle this long leaves the device (to the host tier, or "
                             "released when it is full); under pressure idle ones go first; 0: never")
-    serve.add_argument("--max-context", type=int, default=_DEFAULTS.max_context)
+    serve.add_argument("--max-context", type=int, default=_DEFAULTS.max_context,
+                       help="the longest sequence (prompt plus output) a step may reach")
     serve.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
                        help="the most tokens one step may generate; a request asking more is refused "
                             "(default and maximum: --max-context)")
@@ -73,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default="data", help="SQLite store of conversations ('' keeps them in memory)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind; one other than loopback needs an API key (or --insecure)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="TCP port, 1 to 65535; bound before the model loads")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help="clients send 'Authorization: Bearer KEY'; alone, KEY is the admin key and the "
                             "key of one default tenant (with --admin-key, only the default tenant's)")
@@ -117,6 +120,31 @@ def _split_args(flags: list[str]) -> list[str]:
     return out
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("session-runtime")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a port in use fails before the model
+    loads, and "listening" is printed only once the address is ours. Raises
+    ValueError."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be between 1 and 65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise ValueError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def api_settings_from_args(args: argparse.Namespace) -> ApiSettings:
     """The HTTP edge's settings. Raises ValueError (a bad keys file, a public
     --host without a key)."""
@@ -131,9 +159,10 @@ def api_settings_from_args(args: argparse.Namespace) -> ApiSettings:
 
 def serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    try:  # every flag is checked before torch or SGLang is imported
+    try:  # every flag is checked, and the port bound, before torch or SGLang is imported
         config = config_from_args(args)
         settings = api_settings_from_args(args)
+        sock = _bind(args.host, args.port)
     except ValueError as exc:
         print(f"session-runtime: {exc}", file=sys.stderr)
         return 2
@@ -151,6 +180,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         runtime = Runtime(config)
     except InvalidRequest as exc:
+        sock.close()
         print(f"session-runtime: {exc}", file=sys.stderr)
         return 2
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again
@@ -161,7 +191,8 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(runtime, settings)
         print(f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
               f"http://{args.host}:{args.port} ({runtime.backend.describe()})", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+        server.run(sockets=[sock])
     finally:
         runtime.close()
     return 0

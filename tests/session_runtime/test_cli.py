@@ -1,0 +1,38 @@
+"""`session-runtime serve`'s flags fail fast and clearly, before torch or SGLang
+is imported: a port out of range or in use, --help with the defaults, --version."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import socket
+
+import pytest
+
+from session_runtime.cli import main
+
+
+def test_a_port_out_of_range_is_refused(capsys):
+    for port in ("0", "99999", "-1"):
+        assert main(["serve", "--port", port]) == 2
+        assert f"--port must be between 1 and 65535, got {port}" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert f"cannot bind 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults_and_version_the_package(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 8000)", "(default: 127.0.0.1)", "(default: 4194304)", "(default: 16)"):
+        assert shown in text, shown
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == f"session-runtime {importlib.metadata.version('session-runtime')}\n"
