@@ -12,7 +12,7 @@ import sys
 import time
 import warnings
 
-from session_runtime.api.settings import ApiSettings, is_loopback, load_credentials
+from session_runtime.api.settings import ApiSettings, allowed_hosts, is_loopback, load_credentials
 from session_runtime.config import ATTENTION_BACKENDS, PRESETS, RuntimeConfig
 
 _DEFAULTS = RuntimeConfig()
@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "and may call /admin/*")
     serve.add_argument("--metrics-admin-only", action="store_true",
                        help="/metrics needs the admin key (default: open, like /health)")
+    serve.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                       help="Host header values answered besides --host and localhost, 127.0.0.1, [::1] "
+                            "(comma-separated names, without ports; '*': any); others get 400, against DNS "
+                            "rebinding")
     serve.add_argument("--insecure", action="store_true",
                        help="serve a non-loopback --host without any API key (anyone who reaches it may "
                             "read and change every conversation)")
@@ -154,7 +158,7 @@ def api_settings_from_args(args: argparse.Namespace) -> ApiSettings:
                          "it could read and change every conversation. Give --api-key KEY (or --api-keys "
                          "FILE), or --insecure to serve it open anyway")
     return ApiSettings(credentials=credentials, metrics_admin_only=args.metrics_admin_only,
-                       max_body_bytes=args.max_body_bytes)
+                       max_body_bytes=args.max_body_bytes, allowed_hosts=allowed_hosts(args.host, args.allowed_hosts))
 
 
 def serve(args: argparse.Namespace) -> int:

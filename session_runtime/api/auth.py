@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radix_ext.tree import NodeInfo
 from session_runtime.api.errors import ApiError, Forbidden, error_response
-from session_runtime.api.settings import OPEN, ApiSettings, Caller
+from session_runtime.api.settings import OPEN, ApiSettings, Caller, host_name
 from session_runtime.conversation import Conversation
 from session_runtime.errors import ConversationNotFound
 
@@ -89,6 +89,25 @@ class Authenticate:
         if not caller.admin and (path.startswith("/admin/") or path == "/metrics"):
             return None, error_response(ApiError(403, "forbidden", f"{path} needs the admin key"), path)
         return caller, None
+
+
+class CheckHost:
+    """Pure ASGI middleware: a request whose Host header the server does not
+    answer to (ApiSettings.allowed_hosts) gets 400, before anything else."""
+
+    def __init__(self, app: ASGIApp, allowed: Optional[frozenset[str]]):
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.allowed is not None:
+            header = _header(scope, b"host")
+            if header is None or host_name(header) not in self.allowed:
+                message = (f"the Host header {header!r} is not one this server answers to "
+                           f"({', '.join(sorted(self.allowed))}; see --allowed-hosts)")
+                await error_response(ApiError(400, "invalid_host", message), scope["path"])(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _header(scope: Scope, name: bytes) -> Optional[str]:

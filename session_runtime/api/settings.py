@@ -109,11 +109,35 @@ def is_loopback(host: str) -> bool:
         return False  # another host name: it may resolve to anything
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def allowed_hosts(host: str, extra: Optional[str] = None) -> Optional[frozenset[str]]:
+    """The Host header values a server bound to `host` answers: `host`, the
+    loopback names, and `extra` (comma-separated; `*`: any, None returned)."""
+    names = [n.strip().lower() for n in (extra or "").split(",") if n.strip()]
+    if "*" in names:
+        return None
+    bound = f"[{host.strip('[]')}]" if ":" in host else host
+    return frozenset({bound.lower(), *LOOPBACK_NAMES, *names})
+
+
+def host_name(header: str) -> str:
+    """A Host header without its port: `[::1]:8000` -> `[::1]`."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header.split("]", 1)[0] + "]"
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
 @dataclass(frozen=True)
 class ApiSettings:
     credentials: Credentials = Credentials()
     metrics_admin_only: bool = False  # /metrics needs the admin key (else it is open)
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413 unread
+    # Host header values answered (without the port); others get 400, so a
+    # page on another site cannot reach the server by DNS rebinding. None: any.
+    allowed_hosts: Optional[frozenset[str]] = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -278,3 +278,33 @@ def test_the_openai_route_keeps_each_tenants_cache_apart(clients, keyed):
     salts = {name: {n["cache_salt"] for n in clients[name].get("/debug/tree").json()["nodes"]} for name in ("a", "b")}
     assert salts == {"a": {"a"}, "b": {"b"}}
     assert keyed.runtime.get("oracle-a").tenant == "a" and keyed.runtime.get("oracle-b").tenant == "b"
+
+
+def test_an_unexpected_host_header_is_400(tmp_path):
+    """DNS rebinding: a page of another site that resolves its name to this
+    server sends its own name as Host; only the server's names are answered."""
+    from session_runtime.api.settings import allowed_hosts
+    from session_runtime.cli import api_settings_from_args, build_parser
+
+    settings = ApiSettings(allowed_hosts=allowed_hosts("127.0.0.1", "agents.internal"))
+    with served(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        for host in (f"127.0.0.1:{live.port}", f"localhost:{live.port}", "LOCALHOST", f"[::1]:{live.port}",
+                     "agents.internal:443"):
+            assert c.get("/health", headers={"host": host}).status_code == 200, host
+        r = c.get("/health", headers={"host": f"rebound.example:{live.port}"})
+        assert error_of(r, 400, "invalid_host") == (
+            f"the Host header 'rebound.example:{live.port}' is not one this server answers to "
+            "(127.0.0.1, [::1], agents.internal, localhost; see --allowed-hosts)")
+        r = c.post("/v1/chat/completions", json={"messages": []}, headers={"host": "rebound.example"})
+        openai_error_of(r, 400, "invalid_request_error", "invalid_host")
+        before = len(live.runtime.conversations)
+        error_of(c.post("/v1/conversations", json={}, headers={"host": "rebound.example"}), 400, "invalid_host")
+        assert len(live.runtime.conversations) == before
+
+    def hosts(*flags):
+        return api_settings_from_args(build_parser().parse_args(["serve", *flags])).allowed_hosts
+
+    assert hosts() == {"127.0.0.1", "localhost", "[::1]"}
+    assert hosts("--host", "::", "--insecure", "--allowed-hosts", "a.example,B.example") == {
+        "[::]", "127.0.0.1", "localhost", "[::1]", "a.example", "b.example"}
+    assert hosts("--allowed-hosts", "*") is None
