@@ -215,7 +215,7 @@ class OffloadManager(WaitTable):
         for owner, (since, settings) in order:
             if freed >= missing:
                 break
-            if owner == self.engine.stepping:
+            if owner in self.engine.stepping:
                 continue  # the chain this allocation extends
             if settings is None:
                 freed += self._retire(owner, self._guard(owner, since), locked=True)

@@ -22,6 +22,7 @@ from radix_ext.tree import Namespace, NodeInfo, ProbeResult, SessionRadixCache
 from session_runtime.accounting import StepAccounting, attention_work
 from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming
 from session_runtime.config import RuntimeConfig
+from session_runtime.backends.embedded.fairlock import FairRLock
 from session_runtime.backends.embedded.engine_host import HostTierOps
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.model.decoder import Decoder
@@ -58,7 +59,8 @@ class _SlotBuffer:
 
 
 class Engine(HostTierOps, Backend):
-    """Owns the decoder, the pools and the tree. Thread-safe: steps run one at a time."""
+    """Owns the decoder, the pools and the tree. Thread-safe: everything holds
+    `lock`, which concurrent steps hand over token by token (`FairRLock`)."""
 
     name = "embedded"
     supports_offload = True
@@ -81,11 +83,12 @@ class Engine(HostTierOps, Backend):
         self.capacity = self.pools.capacity
         self.mover = KVMover(self.pools.kv)
         self.host = HostTier(self._host_arena(config.host_tokens(self.bytes_per_token)))
-        self.lock = threading.RLock()
+        self.lock = FairRLock()  # handed over in arrival order: steps interleave token by token
         # Called with the missing token count when even eviction cannot make
         # room: the offload manager demotes waiting conversations there.
         self.on_pressure: Optional[Callable[[int], None]] = None
-        self.stepping: Optional[str] = None  # owner of the step running now
+        self.stepping: set[str] = set()  # owners of the steps in flight: pressure must not move their chains
+        self.rows = threading.BoundedSemaphore(config.max_running)  # steps in flight: one request row each
         self._reloaded: dict[str, tuple[int, int]] = {}  # owner -> (anchor, tokens) reloaded for its next step
         self.device = torch.device(config.device)
 
@@ -162,12 +165,12 @@ class Engine(HostTierOps, Backend):
             req.forced and (max(req.forced) >= vocab or min(req.forced) < 0)
         ):
             raise InvalidRequest(f"token id out of the model's vocabulary (0..{vocab - 1})")
-        with self.lock:
-            self.stepping = req.owner  # pressure must not move the chain this step extends
+        with self.rows, self.lock:
+            self.stepping.add(req.owner)
             try:
                 return self._step_locked(req, reloaded)
             finally:
-                self.stepping = None
+                self.stepping.discard(req.owner)
 
     def _step_locked(self, req: StepRequest, reloaded: Optional[tuple[int, int]] = None) -> StepResult:
         t0 = time.perf_counter()
@@ -206,7 +209,8 @@ class Engine(HostTierOps, Backend):
 
     def _forward(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
         """Run `ids` at positions start.. in chunks of `prefill_chunk` tokens, so
-        attention over a long prompt never materialises a full q x n score matrix."""
+        attention over a long prompt never materialises a full q x n score matrix;
+        the turn passes between chunks."""
         chunk = self.config.prefill_chunk
         outs = []
         for i in range(0, len(ids), chunk):
@@ -214,7 +218,17 @@ class Engine(HostTierOps, Backend):
             part = self._forward_chunk(ids[i : i + chunk], start + i, buf, row, all_logits)
             if all_logits or last:
                 outs.append(part)
+            if not last:
+                self._pass_turn()
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _pass_turn(self) -> None:
+        """Let whoever waits for the engine go first (another step's forward, a
+        reload, a snapshot). This step's request row, KV buffer and locked prefix
+        are its own meanwhile: other steps and pressure (`stepping`) leave them alone."""
+        if self.lock.waiting():
+            self._sync()
+            self.lock.yield_to_waiters()
 
     def _forward_chunk(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
         end = start + len(ids)
@@ -289,6 +303,7 @@ class Engine(HostTierOps, Backend):
                     break
                 if len(output) == limit:
                     break
+                self._pass_turn()
                 out = self._forward([tok], n + len(output) - 1, buf, row, all_logits=False)
                 last = out[-1]
                 if req.return_logits:
