@@ -16,7 +16,7 @@ class RuntimeInspection:
         """Trace, canonical history, per-turn accounting and the chain."""
         conv = self.get(conversation_id)
         try:
-            chain_len = self.backend.chain_tokens(conv.id)
+            chain_len = self.backend.peek_chain_tokens(conv.id)
         except BackendUnavailable:  # the layers are ours; only the physical state is unknown
             chain_len = None
         out = {
@@ -55,7 +55,7 @@ class RuntimeInspection:
 
     def chains(self) -> dict[str, int]:
         """Tokens each conversation's chain holds in the tree."""
-        held = self.backend.chain_lengths()
+        held = self.backend.peek_chain_lengths()
         with self._lock:
             return {cid: held.get(cid, 0) for cid in list(self.conversations)}
 

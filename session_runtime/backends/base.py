@@ -111,6 +111,15 @@ class Backend(ABC):
     def chain_lengths(self) -> dict[str, int]:
         """Tokens each owner's chain holds."""
 
+    def peek_chain_tokens(self, owner: str) -> Optional[int]:
+        """For operator views: `chain_tokens`, or a recent value (None: not known
+        yet) rather than waiting on a busy backend."""
+        return self.chain_tokens(owner)
+
+    def peek_chain_lengths(self) -> dict[str, int]:
+        """For operator views: `chain_lengths`, or a recent value."""
+        return self.chain_lengths()
+
     @abstractmethod
     def snapshot(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
         """The tree's nodes (or one owner's chain), parents first."""

@@ -9,6 +9,7 @@ chain as they were.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -89,6 +90,7 @@ class Engine(HostTierOps, Backend):
         self.on_pressure: Optional[Callable[[int], None]] = None
         self.stepping: set[str] = set()  # owners of the steps in flight: pressure must not move their chains
         self.rows = threading.BoundedSemaphore(config.max_running)  # steps in flight: one request row each
+        self._last_read: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         self._reloaded: dict[str, tuple[int, int]] = {}  # owner -> (anchor, tokens) reloaded for its next step
         self.device = torch.device(config.device)
 
@@ -409,6 +411,25 @@ class Engine(HostTierOps, Backend):
             self.host.take(owner)
             self.host.forget_evicted(owner)
 
+    # Operator reads (/metrics, /debug/tree, a conversation's GET) never wait on
+    # the engine for long: they take the lock when it comes within READ_WAIT_S
+    # (a step hands it over after every token), else answer with the last value
+    # read under it, a consistent snapshot from moments ago.
+    READ_WAIT_S = 0.05
+
+    def _read(self, key: tuple, compute: Callable[[], object], default: object = None):
+        if self.lock.acquire(timeout=self.READ_WAIT_S):
+            try:
+                value = compute()
+            finally:
+                self.lock.release()
+            self._last_read[key] = value
+            self._last_read.move_to_end(key)
+            while len(self._last_read) > 256:
+                self._last_read.popitem(last=False)
+            return value
+        return self._last_read.get(key, default)
+
     def chain_tokens(self, owner: str) -> int:
         with self.lock:
             return self.tree.chain_tokens(owner)
@@ -417,13 +438,18 @@ class Engine(HostTierOps, Backend):
         with self.lock:
             return {owner: self.tree.chain_tokens(owner) for owner in list(self.tree.chains)}
 
+    def peek_chain_tokens(self, owner: str) -> Optional[int]:
+        return self._read(("chain", owner), lambda: self.tree.chain_tokens(owner))
+
+    def peek_chain_lengths(self) -> dict[str, int]:
+        return self._read(("chains",), lambda: {o: self.tree.chain_tokens(o) for o in list(self.tree.chains)}, {})
+
     def host_bytes(self, owner: str) -> int:
         return self.host.bytes_of(owner)
 
     def snapshot(self, preview, owner: Optional[str] = None) -> list[NodeInfo]:
-        with self.lock:
-            return (self.tree.snapshot(preview=preview, owner=owner, both=self.both_nodes())
-                    + self.host_nodes(preview, owner=owner))
+        return self._read(("snapshot", owner), lambda: self.tree.snapshot(
+            preview=preview, owner=owner, both=self.both_nodes()) + self.host_nodes(preview, owner=owner), [])
 
     def free_fraction(self) -> float:
         with self.lock:
@@ -432,8 +458,7 @@ class Engine(HostTierOps, Backend):
     def gauges(self) -> dict[str, float]:
         import dataclasses
 
-        with self.lock:
-            return {
+        return self._read(("gauges",), lambda: {
                 "pool_capacity_tokens": self.pools.capacity,
                 "pool_free_tokens": self.pools.allocator.available_size(),
                 "tree_locked_tokens": self.tree.protected_size(),
@@ -442,7 +467,7 @@ class Engine(HostTierOps, Backend):
                 "host_capacity_tokens": self.host.capacity_tokens,
                 "host_used_tokens": self.host.used_tokens,
                 **{f"offload_{k}": v for k, v in dataclasses.asdict(self.host.stats).items()},
-            }
+            }, {})
 
     def describe(self) -> str:
         return (f"embedded engine (page size {self.page_size}, pool {self.capacity} tokens, host tier "
