@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Host header values answered besides --host and localhost, 127.0.0.1, [::1] "
                             "(comma-separated names, without ports; '*': any); others get 400, against DNS "
                             "rebinding")
+    serve.add_argument("--no-access-log", action="store_true",
+                       help="no line per request on stderr (method, path, status, tenant, latency; never user text)")
     serve.add_argument("--insecure", action="store_true",
                        help="serve a non-loopback --host without any API key (anyone who reaches it may "
                             "read and change every conversation)")
@@ -191,8 +193,11 @@ def serve(args: argparse.Namespace) -> int:
     # with the handler it found: make that an exception, so the `finally`
     # below closes the runtime and stops a launched SGLang server's process group.
     signal.signal(signal.SIGTERM, lambda sig, _frame: sys.exit(128 + sig))
+    if not args.no_access_log:
+        logging.getLogger("session_runtime.access").setLevel(logging.INFO)
     try:
         app = create_app(runtime, settings)
+        sock.listen(2048)  # from now on a connection waits for uvicorn instead of being refused
         print(f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
               f"http://{args.host}:{args.port} ({runtime.backend.describe()})", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))

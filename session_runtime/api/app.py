@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from session_runtime.api.auth import Authenticate, CheckHost, current_caller, tenant_of_new, tenant_tree, visible
+from session_runtime.api.auth import AccessLog, Authenticate, CheckHost, current_caller, tenant_of_new, tenant_tree, visible
 from session_runtime.api.errors import ApiError, InternalErrors, error_response
 from session_runtime.api.limits import BodyLimit
 from session_runtime.api.openai_compat import build_router
@@ -58,6 +58,7 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Authenticate, settings=settings)
     app.add_middleware(CheckHost, allowed=settings.allowed_hosts)
+    app.add_middleware(AccessLog)
 
     @app.exception_handler(RuntimeErrorBase)
     def _runtime_error(request: Request, exc: RuntimeErrorBase) -> JSONResponse:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import logging
+import time
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from fastapi import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radix_ext.tree import NodeInfo
 from session_runtime.api.errors import ApiError, Forbidden, error_response
@@ -66,7 +68,8 @@ class Authenticate:
         if refusal is not None:
             await refusal(scope, receive, send)
             return
-        scope.setdefault("state", {})["caller"] = caller
+        if caller is not None:
+            scope.setdefault("state", {})["caller"] = caller
         await self.app(scope, receive, send)
 
     def _decide(self, path: str, authorization: Optional[str]):
@@ -77,8 +80,8 @@ class Authenticate:
         key = presented_key(authorization)
         caller = credentials.identify(key) if key is not None else None
         is_open = path in OPEN_PATHS or (path == "/metrics" and not self.settings.metrics_admin_only)
-        if is_open:
-            return caller or Caller(tenant=None, admin=False), None
+        if is_open:  # no route there asks who calls: None (the access log's "-") without a valid key
+            return caller, None
         if caller is None:
             # A browser asked for a Basic challenge opens the tree page with the key as password.
             challenge = 'Basic realm="session-runtime"' if path.startswith("/debug/") else "Bearer"
@@ -108,6 +111,36 @@ class CheckHost:
                 await error_response(ApiError(400, "invalid_host", message), scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class AccessLog:
+    """Pure ASGI middleware, outermost: one line per request on the
+    `session_runtime.access` logger (INFO): method, path, status, tenant and
+    latency. Never the query or the body: no user text reaches the log."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+        self.log = logging.getLogger("session_runtime.access")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.log.isEnabledFor(logging.INFO):
+            await self.app(scope, receive, send)
+            return
+        t0, status = time.perf_counter(), 0
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            caller = scope.get("state", {}).get("caller")
+            who = "-" if caller is None else ("admin" if caller.admin else (caller.tenant or "default"))
+            self.log.info("%s %s %d tenant=%s %.1fms", scope["method"], scope["path"], status or 500, who,
+                          (time.perf_counter() - t0) * 1e3)
 
 
 def _header(scope: Scope, name: bytes) -> Optional[str]:

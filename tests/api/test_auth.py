@@ -308,3 +308,23 @@ def test_an_unexpected_host_header_is_400(tmp_path):
     assert hosts("--host", "::", "--insecure", "--allowed-hosts", "a.example,B.example") == {
         "[::]", "127.0.0.1", "localhost", "[::1]", "a.example", "b.example"}
     assert hosts("--allowed-hosts", "*") is None
+
+
+def test_the_access_log_has_one_line_per_request_and_no_user_text(clients, caplog):
+    import logging
+    import re
+
+    with caplog.at_level(logging.INFO, logger="session_runtime.access"):
+        cid = turn(clients["a"], "[auth-log] SECRET system text", content="SECRET user text")
+        clients["b"].get(f"/v1/conversations/{cid}", params={"tokens": "1"})
+        clients["none"].get("/debug/tree")
+        clients["admin"].get("/health")
+        clients["none"].get("/health")
+    lines = [r.getMessage() for r in caplog.records if r.name == "session_runtime.access"]
+    shapes = [re.sub(r"\d+\.\dms$", "MS", line) for line in lines]
+    assert shapes == ["POST /v1/conversations 201 tenant=a MS",
+                      f"POST /v1/conversations/{cid}/messages 200 tenant=a MS",
+                      f"GET /v1/conversations/{cid} 404 tenant=b MS",
+                      "GET /debug/tree 401 tenant=- MS",
+                      "GET /health 200 tenant=admin MS", "GET /health 200 tenant=- MS"]
+    assert not any("SECRET" in line or "tokens" in line for line in lines)
