@@ -6,6 +6,10 @@ history is checked against the conversation's, the trailing user message or
 tool results run as one step, and a history that differs replaces the
 conversation's. Without `conversation_id` the request runs in a throw-away
 conversation whose KV stays in the tree (evictable) for prefix reuse.
+`logprobs` is honoured (each output token's, no alternatives); parameters this
+server cannot honour (`top_p`, `top_logprobs`, `tool_choice` other than auto,
+penalties, `logit_bias`, `response_format`, `stop`, `n` > 1) are refused with
+400 unless they hold their default; other unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
@@ -62,14 +66,47 @@ def _usage(step: Step) -> dict:
             "prompt_tokens_details": {"cached_tokens": acc.cached_input_tokens}}
 
 
-def completion(step: Step, model: str, rid: str) -> dict:
+def _logprobs(step: Step, decode: Callable[[list[int]], str]) -> Optional[dict]:
+    """OpenAI's `logprobs` of a choice: each output token, its text and logprob
+    (no alternatives: top_logprobs is refused). None when not asked for."""
+    if step.logprobs is None:
+        return None
+    content = []
+    for tok, logprob in zip(step.output_ids, step.logprobs):
+        text = decode([tok])
+        # A token inside a multi-byte character decodes to U+FFFD alone: no bytes of its own to show.
+        content.append({"token": text, "logprob": logprob, "top_logprobs": [],
+                        "bytes": None if "\ufffd" in text else list(text.encode("utf-8"))})
+    return {"content": content}
+
+
+def _refuse_unsupported(body: "ChatRequest") -> None:
+    """OpenAI parameters this server cannot honour, set to anything but their
+    default: refused with 400 rather than ignored. Raises InvalidRequest."""
+    extra = body.model_extra or {}
+    fine = {
+        "top_p": lambda v: v is None or v == 1,
+        "top_logprobs": lambda v: v is None or v == 0,
+        "tool_choice": lambda v: v in (None, "auto") or (v == "none" and not body.tools),
+        "presence_penalty": lambda v: v in (None, 0),
+        "frequency_penalty": lambda v: v in (None, 0),
+        "logit_bias": lambda v: not v,
+        "response_format": lambda v: v is None or v == {"type": "text"},
+    }
+    for name, ok in fine.items():
+        if name in extra and not ok(extra[name]):
+            raise InvalidRequest(f"{name} {extra[name]!r} is not supported by this server; leave it out",
+                                 param=name)
+
+
+def completion(step: Step, model: str, rid: str, decode: Callable[[list[int]], str]) -> dict:
     message = {"role": "assistant", "content": step.content, "reasoning_content": step.reasoning}
     if step.tool_calls:
         message["tool_calls"] = _tool_calls(step)
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": _FINISH.get(step.finish_reason, "stop"),
-                     "logprobs": None}],
+                     "logprobs": _logprobs(step, decode)}],
         "usage": _usage(step), "conversation_id": step.conversation_id,
         "accounting": step.accounting.as_dict(),
     }
@@ -97,7 +134,9 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         if body.model is not None:
             _check_model(runtime, body.model)
         if body.stop:
-            raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step")
+            raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step",
+                                 param="stop")
+        _refuse_unsupported(body)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = runtime.max_tokens(limit, default=256)  # refused before anything changes
         system, rest = None, list(body.messages)
@@ -149,9 +188,9 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
             return step
 
         if not body.stream:
-            return completion(run(), model, rid)
+            return completion(run(), model, rid, runtime.tokenizer.decode)
         usage = bool((body.stream_options or {}).get("include_usage"))
-        fmt = lambda kind, value: _chunk(kind, value, model, rid, usage)  # noqa: E731
+        fmt = lambda kind, value: _chunk(kind, value, model, rid, usage, runtime.tokenizer.decode)  # noqa: E731
         tpl = runtime.template(runtime.get(cid).template)
         first = f"data: {json.dumps(_chunk('role', 'assistant', model, rid, usage))}\n\n"
         return StreamingResponse(_prepend(first, sse_step(run, tpl, fmt)), media_type="text/event-stream")
@@ -203,7 +242,8 @@ def _prepend(first: str, lines):
     yield from lines
 
 
-def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False) -> dict:
+def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False,
+           decode: Optional[Callable[[list[int]], str]] = None) -> dict:
     """One SSE body in OpenAI's chat.completion.chunk shape. The step's final
     chunk carries the finish reason; with stream_options.include_usage the
     usage follows in a chunk with no choices, as OpenAI sends it."""
@@ -218,7 +258,10 @@ def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False) 
         return {"error": openai_body(value)[1]}
     step: Step = value
     delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(_tool_calls(step))]} if step.tool_calls else {}
-    final = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": _FINISH.get(step.finish_reason, "stop")}],
+    choice = {"index": 0, "delta": delta, "finish_reason": _FINISH.get(step.finish_reason, "stop")}
+    if step.logprobs is not None and decode is not None:
+        choice["logprobs"] = _logprobs(step, decode)  # all of them, with the finish
+    final = {**base, "choices": [choice],
              "conversation_id": step.conversation_id}
     if usage:
         final["usage"] = _usage(step)

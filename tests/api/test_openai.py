@@ -369,3 +369,37 @@ def test_stream_usage_only_when_asked(oai):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.usage is None for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_logprobs_are_honoured(oai, client, rt):
+    """Each output token with its logprob: the same numbers as the session API's
+    for the same greedy step (a twin in another tenant: both prefill cold)."""
+    system = "[logprobs] Report logprobs."
+    r = chat(oai, [sys(system), user("Hi")], max_tokens=4, logprobs=True)
+    content = r.choices[0].logprobs.content
+    twin = create(client, system=system, tenant="oa-logprobs-twin")
+    s = step_ok(client.post(f"/v1/conversations/{twin}/messages", json={"content": "Hi", "max_tokens": 4,
+                                                                          "logprobs": True}))
+    assert [c.logprob for c in content] == s["logprobs"] and len(content) == 4
+    assert all(c.top_logprobs == [] and isinstance(c.token, str) for c in content)
+    assert all(c.bytes is None or bytes(c.bytes).decode() == c.token for c in content)
+    assert chat(oai, [sys(system), user("Hi")], max_tokens=2).choices[0].logprobs is None
+    # Streamed: the final chunk carries them all.
+    chunks = list(chat(oai, [sys(system), user("Hi")], max_tokens=4, logprobs=True, stream=True))
+    streamed = [c.logprob for c in chunks[-1].choices[0].logprobs.content]
+    assert streamed == pytest.approx(s["logprobs"], abs=1e-4)
+
+
+def test_unsupported_parameters_are_400_unless_default(oai):
+    messages = [sys("[unsupported-params] Options."), user("Hi")]
+    for name, value in (("top_p", 0.5), ("top_logprobs", 2), ("tool_choice", "required"),
+                        ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"42": 5}),
+                        ("response_format", {"type": "json_object"})):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(oai, messages, max_tokens=1, extra_body={name: value})
+        err = e.value.response.json()["error"]
+        assert (err["param"], err["message"]) == (
+            name, f"{name} {value!r} is not supported by this server; leave it out"), err
+    r = chat(oai, messages, max_tokens=1, top_p=1, tool_choice="none", presence_penalty=0, frequency_penalty=0,
+             logit_bias={}, response_format={"type": "text"}, user="someone")
+    assert r.usage.completion_tokens == 1
