@@ -119,12 +119,15 @@ class RuntimeConfig:
     placement_epsilon: float = 0.25  # no worker above (1 + epsilon) x the mean load
     sglang_args: tuple[str, ...] = ()  # extra flags for a launched SGLang server
     sglang_max_running: int = 32  # --max-running-requests of a launched server
+    request_deadline_s: float = 600.0  # a step still running after this fails (408) and changes nothing; 0: none
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.pool_tokens < self.page_size:
             raise ValueError("pool_tokens must hold at least one page")
+        if self.request_deadline_s < 0:
+            raise ValueError(f"request_deadline_s must be >= 0, got {self.request_deadline_s}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.dtype not in DTYPES:

@@ -71,3 +71,20 @@ class BackendUnavailable(RuntimeErrorBase):
 
     status = 503
     error_type = "backend_unavailable"
+
+
+class StepCancelled(RuntimeErrorBase):
+    """The step was stopped before it finished (its client went away); it changed nothing."""
+
+    status = 499
+    error_type = "cancelled"
+
+
+class DeadlineExceeded(StepCancelled):
+    status = 408
+    error_type = "timeout"
+
+
+class ShuttingDown(StepCancelled):
+    status = 503
+    error_type = "unavailable"

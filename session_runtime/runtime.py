@@ -14,6 +14,7 @@ import copy
 import json
 import dataclasses
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -21,8 +22,8 @@ from typing import Callable, Iterator, Optional, Sequence
 from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
-from session_runtime.backends.base import StepRequest, StepResult, create_backend
-from session_runtime.errors import (BackendUnavailable, ConversationBusy, ConversationNotFound, InvalidRequest,
+from session_runtime.backends.base import Cancellation, StepRequest, StepResult, create_backend
+from session_runtime.errors import (BackendUnavailable, ShuttingDown, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
 from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadManager, OffloadSettings
@@ -61,6 +62,7 @@ class Runtime(RuntimeInspection):
         self._templates: dict[str, Template] = {}
         self._conv_locks: dict[str, threading.Lock] = {}
         self._lock = threading.RLock()
+        self._inflight: set[Cancellation] = set()  # steps running now: shutdown cancels them
         self.template(self.config.template)  # fail at start, not on the first request
         self.store: Optional[Store] = None
         if self.config.data_dir:
@@ -261,6 +263,7 @@ class Runtime(RuntimeInspection):
         logprobs: bool = False,
         forced: Optional[dict] = None,
         on_token: Optional[Callable[[int], None]] = None,
+        cancel: Optional[Cancellation] = None,
     ) -> Step:
         """Open a turn with a user message and run its first step (at most
         `max_tokens`: None is 64, or the server's limit if lower).
@@ -279,7 +282,7 @@ class Runtime(RuntimeInspection):
                 raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}")
             turn = len(conv.turns)
             return self._step(conv, [Message("user", turn, content)], turn,
-                              self._sampling(conv, max_tokens, temperature, seed, logprobs), forced, on_token)
+                              self._sampling(conv, max_tokens, temperature, seed, logprobs), forced, on_token, cancel)
 
     def send_tool_results(
         self,
@@ -292,6 +295,7 @@ class Runtime(RuntimeInspection):
         logprobs: bool = False,
         forced: Optional[dict] = None,
         on_token: Optional[Callable[[int], None]] = None,
+        cancel: Optional[Cancellation] = None,
     ) -> Step:
         """Answer every pending tool call of the open turn and run its next step.
 
@@ -318,7 +322,7 @@ class Runtime(RuntimeInspection):
             turn = conv.protocol.turn
             msgs = [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
             return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs),
-                              forced, on_token)
+                              forced, on_token, cancel)
 
     @property
     def max_tokens_limit(self) -> int:
@@ -374,7 +378,25 @@ class Runtime(RuntimeInspection):
         return ids
 
     def _step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
-              forced: Optional[dict], on_token: Optional[Callable[[int], None]] = None) -> Step:
+              forced: Optional[dict], on_token: Optional[Callable[[int], None]] = None,
+              cancel: Optional[Cancellation] = None) -> Step:
+        """One step; `cancel` (or the request deadline) stops it between tokens,
+        and then it changes nothing."""
+        cancel = cancel or Cancellation()
+        if cancel.deadline is None and self.config.request_deadline_s:
+            cancel.deadline = time.monotonic() + self.config.request_deadline_s
+        with self._lock:
+            if getattr(self, "_closed", False):
+                raise ShuttingDown("the server is shutting down")
+            self._inflight.add(cancel)
+        try:
+            return self._run_step(conv, new, turn, sampling, forced, on_token, cancel)
+        finally:
+            with self._lock:
+                self._inflight.discard(cancel)
+
+    def _run_step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
+                  forced: Optional[dict], on_token: Optional[Callable[[int], None]], cancel: Cancellation) -> Step:
         tpl = self.template(conv.template)
         forced_ids = self._forced_ids(tpl, forced)
         ns = self.namespace(conv)
@@ -398,7 +420,7 @@ class Runtime(RuntimeInspection):
                     owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,
                     forced=forced_ids, history_len=history_len,
                     cache_output=conv.policy.caches_output, hold_chain=conv.policy.holds_chain,
-                    on_token=on_token,
+                    on_token=on_token, cancel=cancel,
                 )
             )
         except BaseException:
@@ -537,6 +559,9 @@ class Runtime(RuntimeInspection):
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        with self._lock:  # steps in flight stop at their next token and change nothing
+            for cancel in list(self._inflight):
+                cancel.cancel(ShuttingDown("the server is shutting down"))
         self.materializer.close()
         self.offload.close()
         self.backend.close()

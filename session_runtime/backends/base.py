@@ -9,13 +9,35 @@ by name and imports it lazily.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime.accounting import StepAccounting
+from session_runtime.errors import DeadlineExceeded, RuntimeErrorBase
 from session_runtime.sampling import SamplingParams
+
+
+class Cancellation:
+    """Stops a step between two tokens: set from any thread (the client went away,
+    shutdown), or by a deadline. The step checks it and fails, changing nothing."""
+
+    def __init__(self, deadline_s: Optional[float] = None):
+        self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        self.error: Optional[RuntimeErrorBase] = None
+
+    def cancel(self, error: RuntimeErrorBase) -> None:
+        if self.error is None:
+            self.error = error
+
+    def check(self) -> None:
+        """Raises the reason when the step must stop."""
+        if self.error is None and self.deadline is not None and time.monotonic() > self.deadline:
+            self.error = DeadlineExceeded("the step ran past the request deadline (--request-deadline-s)")
+        if self.error is not None:
+            raise self.error
 
 
 @dataclass(frozen=True)
@@ -31,6 +53,7 @@ class StepRequest:
     hold_chain: bool = True  # False: lock nothing after the step (SGLang: no sessions)
     on_token: Optional[Callable[[int], None]] = None  # called with each output token (streaming)
     background: bool = False  # idle-time work (a canonical branch): ranks below user steps
+    cancel: Optional[Cancellation] = None  # checked between tokens
 
 
 @dataclass(frozen=True)

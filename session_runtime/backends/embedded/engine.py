@@ -21,7 +21,7 @@ from radix_ext.kv_copy import KVMover
 from radix_ext.pools import KVPools, PoolSpec, build_pools
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult, SessionRadixCache
 from session_runtime.accounting import StepAccounting, attention_work
-from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming
+from session_runtime.backends.base import Backend, Cancellation, StepRequest, StepResult, StepTiming
 from session_runtime.config import RuntimeConfig
 from session_runtime.backends.embedded.fairlock import FairRLock
 from session_runtime.backends.embedded.engine_host import HostTierOps
@@ -209,7 +209,8 @@ class Engine(HostTierOps, Backend):
             raise PoolExhausted("no free request row: too many steps in flight")
         return rows[0]
 
-    def _forward(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
+    def _forward(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool,
+                 cancel: Optional[Cancellation] = None) -> torch.Tensor:
         """Run `ids` at positions start.. in chunks of `prefill_chunk` tokens, so
         attention over a long prompt never materialises a full q x n score matrix;
         the turn passes between chunks."""
@@ -221,13 +222,17 @@ class Engine(HostTierOps, Backend):
             if all_logits or last:
                 outs.append(part)
             if not last:
-                self._pass_turn()
+                self._pass_turn(cancel)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _pass_turn(self) -> None:
-        """Let whoever waits for the engine go first (another step's forward, a
-        reload, a snapshot). This step's request row, KV buffer and locked prefix
-        are its own meanwhile: other steps and pressure (`stepping`) leave them alone."""
+    def _pass_turn(self, cancel: Optional[Cancellation] = None) -> None:
+        """Between two forwards: stop if the step was cancelled (it fails and
+        changes nothing), and let whoever waits for the engine go first (another
+        step's forward, a reload, a snapshot). This step's request row, KV buffer
+        and locked prefix are its own meanwhile: other steps and pressure
+        (`stepping`) leave them alone."""
+        if cancel is not None:
+            cancel.check()
         if self.lock.waiting():
             self._sync()
             self.lock.yield_to_waiters()
@@ -256,7 +261,9 @@ class Engine(HostTierOps, Backend):
         kept_logits: list[torch.Tensor] = []
 
         t = time.perf_counter()
-        logits = self._forward(prompt[m:], m, buf, row, all_logits=req.return_logits)
+        if req.cancel is not None:
+            req.cancel.check()
+        logits = self._forward(prompt[m:], m, buf, row, all_logits=req.return_logits, cancel=req.cancel)
         self._sync()
         prefill_s = time.perf_counter() - t
         model_s += prefill_s
@@ -271,7 +278,7 @@ class Engine(HostTierOps, Backend):
             t = time.perf_counter()
             first_token_t = t
             if forced:
-                more = self._forward(forced, n, buf, row, all_logits=want_all)
+                more = self._forward(forced, n, buf, row, all_logits=want_all, cancel=req.cancel)
                 if want_all:
                     rows = torch.cat((logits[-1:], more[:-1]))
                     if sp.logprobs:
@@ -305,7 +312,7 @@ class Engine(HostTierOps, Backend):
                     break
                 if len(output) == limit:
                     break
-                self._pass_turn()
+                self._pass_turn(req.cancel)
                 out = self._forward([tok], n + len(output) - 1, buf, row, all_logits=False)
                 last = out[-1]
                 if req.return_logits:

@@ -77,18 +77,23 @@ class SGLangBackend(Backend):
         first_t = last_t = None
         output: list[int] = []
         final: dict = {}
-        for chunk in chunks:
-            now = time.perf_counter()
-            ids = chunk.get("output_ids") or []
-            if first_t is None and (ids or forced is not None):
-                first_t = now
-            for tok in ids[len(output):]:
-                if req.on_token is not None and forced is None:
-                    req.on_token(tok)
-            if len(ids) > len(output):
-                last_t = now
-            output = list(ids)
-            final = chunk
+        try:
+            for chunk in chunks:
+                if req.cancel is not None:
+                    req.cancel.check()  # leaving the stream closes it: SGLang aborts the request
+                now = time.perf_counter()
+                ids = chunk.get("output_ids") or []
+                if first_t is None and (ids or forced is not None):
+                    first_t = now
+                for tok in ids[len(output):]:
+                    if req.on_token is not None and forced is None:
+                        req.on_token(tok)
+                if len(ids) > len(output):
+                    last_t = now
+                output = list(ids)
+                final = chunk
+        finally:
+            chunks.close()  # at once: a cancelled step closes its stream and SGLang aborts it
         meta = final.get("meta_info") or {}
         reason = meta.get("finish_reason") or {}
         if not final or reason.get("type") == "abort":
