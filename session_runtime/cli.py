@@ -202,11 +202,26 @@ def serve(args: argparse.Namespace) -> int:
         sock.listen(2048)  # from now on a connection waits for uvicorn instead of being refused
         print(f"session-runtime: ready in {time.perf_counter() - t0:.1f}s, listening on "
               f"http://{args.host}:{args.port} ({runtime.backend.describe()})", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+        server = _Server(runtime, uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                                 timeout_graceful_shutdown=5))
         server.run(sockets=[sock])
     finally:
         runtime.close()
     return 0
+
+
+def _Server(runtime, config):
+    """uvicorn's server, which on SIGTERM or Ctrl-C first stops the steps in
+    flight (they fail with 503 and change nothing) so the graceful shutdown that
+    follows takes seconds, not a long generation's time."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            runtime.stop_steps()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ class Runtime(RuntimeInspection):
         self._conv_locks: dict[str, threading.Lock] = {}
         self._lock = threading.RLock()
         self._inflight: set[Cancellation] = set()  # steps running now: shutdown cancels them
+        self._stopping = False
         self.template(self.config.template)  # fail at start, not on the first request
         self.store: Optional[Store] = None
         if self.config.data_dir:
@@ -386,7 +387,7 @@ class Runtime(RuntimeInspection):
         if cancel.deadline is None and self.config.request_deadline_s:
             cancel.deadline = time.monotonic() + self.config.request_deadline_s
         with self._lock:
-            if getattr(self, "_closed", False):
+            if getattr(self, "_closed", False) or self._stopping:
                 raise ShuttingDown("the server is shutting down")
             self._inflight.add(cancel)
         try:
@@ -553,15 +554,21 @@ class Runtime(RuntimeInspection):
             with self._lock:
                 assert cid in self.conversations, f"chain {cid} has no conversation"
 
+    def stop_steps(self) -> None:
+        """Shutting down: steps in flight stop at their next token and fail (503),
+        changing nothing, and no new step starts."""
+        with self._lock:
+            self._stopping = True
+            for cancel in list(self._inflight):
+                cancel.cancel(ShuttingDown("the server is shutting down"))
+
     def close(self) -> None:
         """Stop the background workers and the backend (a launched SGLang server
         with it) and close the store. Idempotent."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        with self._lock:  # steps in flight stop at their next token and change nothing
-            for cancel in list(self._inflight):
-                cancel.cancel(ShuttingDown("the server is shutting down"))
+        self.stop_steps()
         self.materializer.close()
         self.offload.close()
         self.backend.close()
