@@ -88,3 +88,10 @@ class DeadlineExceeded(StepCancelled):
 class ShuttingDown(StepCancelled):
     status = 503
     error_type = "unavailable"
+
+
+class StorageUnavailable(RuntimeErrorBase):
+    """The data file could not be written: the change was not made (retry it)."""
+
+    status = 503
+    error_type = "storage_unavailable"

@@ -23,7 +23,7 @@ from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.backends.base import Cancellation, StepRequest, StepResult, create_backend
-from session_runtime.errors import (BackendUnavailable, ShuttingDown, ConversationBusy, ConversationNotFound, InvalidRequest,
+from session_runtime.errors import (BackendUnavailable, ShuttingDown, StorageUnavailable, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
 from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadManager, OffloadSettings
@@ -242,14 +242,17 @@ class Runtime(RuntimeInspection):
     def delete_conversation(self, conversation_id: str) -> None:
         """Forget the conversation and unlock its chain (its KV becomes evictable)."""
         with self._locked(conversation_id) as conv:
+            if self.store is not None:  # first: a delete that cannot be saved does not happen
+                try:
+                    self.store.delete(conv.id)
+                except Exception as exc:
+                    raise StorageUnavailable(f"the delete could not be saved, so it did not happen: {exc}") from exc
             self.materializer.cancel(conv.id)
             self.offload.forget(conv.id)
             with self._lock:
                 self.conversations.pop(conv.id, None)
                 self._conv_locks.pop(conv.id, None)
             self.backend.release(conv.id)
-            if self.store is not None:
-                self.store.delete(conv.id)
 
     # ----- steps ----------------------------------------------------------------
 
@@ -433,9 +436,19 @@ class Runtime(RuntimeInspection):
             raise
         finally:
             self.materializer.user_exit()
+        before = copy.deepcopy(conv)  # what a failed save goes back to
         step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)
         conv.version += 1
-        self._persist(conv)  # before the response returns
+        try:
+            self._persist(conv)  # before the response returns
+        except Exception as exc:
+            # Not saved, not done: the conversation is as before the step (a retry
+            # runs it once); its KV stays cached, and the closed turn's canonical
+            # branch or tool wait, if the commit started one, is dropped.
+            self.materializer.cancel(conv.id)
+            self.offload.wait_ended(conv.id)
+            conv.__dict__.update(before.__dict__)
+            raise StorageUnavailable(f"the step could not be saved, so it did not happen: {exc}") from exc
         return step
 
     def _counterfactual(self, conv: Conversation, tpl: Template, ns: Namespace, new: list[Message]) -> dict:
