@@ -48,7 +48,8 @@ def _version() -> str:
 
 def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> FastAPI:
     settings = settings or ApiSettings()
-    app = FastAPI(title="session-runtime")
+    # /docs and /redoc would load their scripts from a CDN: off. /openapi.json stays.
+    app = FastAPI(title="session-runtime", version=_version(), docs_url=None, redoc_url=None)
     metrics = Metrics()
     app.state.runtime = runtime
     app.state.metrics = metrics

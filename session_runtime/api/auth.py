@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from session_runtime.runtime import Runtime
 
 # Open to everyone: liveness, the version, and the API's schema (no data).
-OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json"})
 
 
 def presented_key(authorization: Optional[str]) -> Optional[str]:

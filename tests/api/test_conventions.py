@@ -101,3 +101,13 @@ def test_openai_route_errors_from_the_edge(tmp_path):
         error_of(c.post("/v1/conversations", json={"system": "x" * 200}, headers={"authorization": "Bearer k"}),
                  413, "request_too_large")
         assert c.get("/version").status_code == 200  # open
+
+
+def test_no_docs_page_loads_outside_assets(client):
+    """FastAPI's /docs and /redoc pull their scripts from a CDN: they are off;
+    the OpenAPI schema they would draw is served."""
+    for path in ("/docs", "/redoc"):
+        assert error_of(client.get(path), 404, "not_found") == f"no route GET {path}"
+    schema = client.get("/openapi.json").json()
+    assert schema["info"] == {"title": "session-runtime", "version": importlib.metadata.version("session-runtime")}
+    assert "/v1/chat/completions" in schema["paths"]
