@@ -25,7 +25,7 @@ from session_runtime.api.errors import ApiError, InternalErrors, error_response
 from session_runtime.api.limits import BodyLimit
 from session_runtime.api.openai_compat import build_router
 from session_runtime.api.settings import ApiSettings, Caller
-from session_runtime.api.streaming import sse_step
+from session_runtime.api.streaming import cancellable, sse_step
 from session_runtime.api.tree_page import tree_page_router
 from session_runtime.api.schemas import CreateConversation, SendMessage, SendToolResults
 from session_runtime.errors import RuntimeErrorBase
@@ -125,15 +125,15 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
         metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
         return step.as_dict()
 
-    def respond(call, cid: str, first_arg, body, caller: Caller):
+    def respond(call, cid: str, first_arg, body, caller: Caller, cancel):
         conv = visible(runtime, cid, caller)  # 404 before any stream starts
         if not body.stream:
-            return timed(call, cid, first_arg, **body.options())
+            return timed(call, cid, first_arg, cancel=cancel, **body.options())
 
-        def run(on_token):
+        def run(on_token, stream_cancel):
             t0 = time.perf_counter()
             try:
-                step = call(cid, first_arg, on_token=on_token, **body.options())
+                step = call(cid, first_arg, on_token=on_token, cancel=stream_cancel, **body.options())
             except RuntimeErrorBase:
                 metrics.record_error()  # as the exception handler does for plain requests
                 raise
@@ -142,13 +142,16 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
 
         return StreamingResponse(sse_step(run, runtime.template(conv.template)), media_type="text/event-stream")
 
+    # A step's client that disconnects, plain or streamed, cancels it (`cancellable`).
     @app.post("/v1/conversations/{cid}/messages")
-    def message(cid: str, body: SendMessage, caller: Caller = Depends(current_caller)):
-        return respond(runtime.send_message, cid, body.content, body, caller)
+    async def message(cid: str, body: SendMessage, request: Request, caller: Caller = Depends(current_caller)):
+        return await cancellable(request, lambda cancel: respond(
+            runtime.send_message, cid, body.content, body, caller, cancel))
 
     @app.post("/v1/conversations/{cid}/tool_results")
-    def tool_results(cid: str, body: SendToolResults, caller: Caller = Depends(current_caller)):
-        return respond(runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body, caller)
+    async def tool_results(cid: str, body: SendToolResults, request: Request, caller: Caller = Depends(current_caller)):
+        return await cancellable(request, lambda cancel: respond(
+            runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body, caller, cancel))
 
     app.include_router(build_router(runtime, metrics.record_step, metrics.record_error))
 

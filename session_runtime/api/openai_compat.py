@@ -19,14 +19,14 @@ import time
 import uuid
 from typing import Any, Callable, Optional, Union
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_runtime.api.auth import current_caller
 from session_runtime.api.errors import ModelNotFound, openai_body
 from session_runtime.api.settings import Caller
-from session_runtime.api.streaming import sse_step
+from session_runtime.api.streaming import cancellable, sse_step
 from session_runtime.errors import ConversationNotFound, InvalidRequest
 from session_runtime.importer import text_content
 from session_runtime.runtime import Runtime
@@ -130,7 +130,11 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         return card()
 
     @router.post("/v1/chat/completions")
-    def chat(body: ChatRequest, caller: Caller = Depends(current_caller)):
+    async def chat(body: ChatRequest, request: Request, caller: Caller = Depends(current_caller)):
+        """A client that disconnects, plain or streamed, cancels the step."""
+        return await cancellable(request, lambda cancel: complete(body, caller, cancel))
+
+    def complete(body: ChatRequest, caller: Caller, cancel):
         if body.model is not None:
             _check_model(runtime, body.model)
         if body.stop:
@@ -174,10 +178,10 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         model = runtime.model_id
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
 
-        def run(on_token=None) -> Step:
+        def run(on_token=None, step_cancel=cancel) -> Step:
             t0 = time.perf_counter()
             try:
-                step = call(on_token=on_token, **options)
+                step = call(on_token=on_token, cancel=step_cancel, **options)
             except Exception:
                 record_error()
                 undo()
@@ -193,7 +197,7 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         fmt = lambda kind, value: _chunk(kind, value, model, rid, usage, runtime.tokenizer.decode)  # noqa: E731
         tpl = runtime.template(runtime.get(cid).template)
         first = f"data: {json.dumps(_chunk('role', 'assistant', model, rid, usage))}\n\n"
-        return StreamingResponse(_prepend(first, sse_step(run, tpl, fmt)), media_type="text/event-stream")
+        return StreamingResponse(sse_step(run, tpl, fmt, first), media_type="text/event-stream")
 
     return router
 
@@ -235,11 +239,6 @@ def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str], ca
                                           conversation_id=body.conversation_id)
         return cid, None, True
     return runtime.create_conversation(system, tools=body.tools, policy=body.policy, tenant=caller.tenant), None, True
-
-
-def _prepend(first: str, lines):
-    yield first
-    yield from lines
 
 
 def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False,

@@ -1,8 +1,8 @@
 """Server-sent events for a step: reasoning and content deltas as tokens are
 decoded, then one final event with the whole step and its accounting.
 
-The step runs on its own thread and commits whatever happens to the client:
-a client that disconnects mid-stream leaves a complete, consistent turn.
+The step runs on its own thread. A client that disconnects, streamed or not,
+cancels it: it stops at its next token and changes nothing (`cancellable`).
 """
 
 from __future__ import annotations
@@ -11,14 +11,20 @@ import json
 import logging
 import queue
 import threading
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator, TypeVar
+
+import anyio
+from starlette.concurrency import iterate_in_threadpool
+from starlette.requests import Request
 
 from session_runtime.api.errors import ApiError
-from session_runtime.errors import RuntimeErrorBase
+from session_runtime.backends.base import Cancellation
+from session_runtime.errors import RuntimeErrorBase, StepCancelled
 from session_runtime.step import Step
 from session_runtime.templates.base import Template
 
 Format = Callable[[str, object], dict]  # (kind, payload) -> event body
+T = TypeVar("T")
 
 
 def session_event(kind: str, payload: object) -> dict:
@@ -29,15 +35,17 @@ def session_event(kind: str, payload: object) -> dict:
     return {"type": kind, "delta": payload}
 
 
-def sse_step(run: Callable[[Callable[[int], None]], Step], tpl: Template, fmt: Format = session_event) -> Iterator[str]:
-    """Start `run(on_token)` now, on its own thread, and return the SSE lines it
-    produces, ending with `data: [DONE]`. The step runs to its end even if the
-    client never reads a byte."""
+def sse_step(run: Callable[[Callable[[int], None], Cancellation], Step], tpl: Template,
+             fmt: Format = session_event, first: str = "") -> AsyncIterator[str]:
+    """Start `run(on_token, cancel)` now, on its own thread, and return the SSE
+    lines it produces (after `first`), ending with `data: [DONE]`. When the
+    client goes away before the end, the step is cancelled."""
     events: queue.Queue = queue.Queue()
+    cancel = Cancellation()
 
     def worker() -> None:
         try:
-            events.put(("step", run(lambda tok: events.put(("token", tok)))))
+            events.put(("step", run(lambda tok: events.put(("token", tok)), cancel)))
         except RuntimeErrorBase as exc:
             events.put(("error", ApiError.of(exc)))
         except Exception:  # an engine bug: report it rather than hang the stream; its text goes to the log only
@@ -45,7 +53,47 @@ def sse_step(run: Callable[[Callable[[int], None]], Step], tpl: Template, fmt: F
             events.put(("error", ApiError(500, "internal", "internal error")))
 
     threading.Thread(target=worker, name="sse-step", daemon=True).start()
-    return _lines(events, tpl, fmt)
+    return _until_disconnect(_lines(events, tpl, fmt), cancel, first)
+
+
+async def _until_disconnect(lines: Iterator[str], cancel: Cancellation, first: str) -> AsyncIterator[str]:
+    """The lines, read on a worker thread. Starlette cancels this iterator when
+    the client disconnects: the step is cancelled then (a no-op once it ended)."""
+    try:
+        if first:
+            yield first
+        async for line in iterate_in_threadpool(lines):
+            yield line
+    finally:
+        cancel.cancel(StepCancelled("the client disconnected"))
+
+
+async def cancellable(request: Request, fn: Callable[[Cancellation], T]) -> T:
+    """Run `fn(cancel)` on a worker thread while watching the connection: a client
+    that disconnects before it returns cancels the step it runs."""
+    cancel = Cancellation()
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await anyio.sleep(0.1)
+        cancel.cancel(StepCancelled("the client disconnected"))
+
+    outcome: dict = {}
+
+    async def work() -> None:
+        try:
+            outcome["value"] = await anyio.to_thread.run_sync(fn, cancel)
+        except BaseException as exc:  # re-raised below, as it came (not in an exception group)
+            outcome["error"] = exc
+        finally:
+            tasks.cancel_scope.cancel()  # stop watching
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(watch)
+        tasks.start_soon(work)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _lines(events: queue.Queue, tpl: Template, fmt: Format) -> Iterator[str]:

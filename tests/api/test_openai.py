@@ -403,3 +403,24 @@ def test_unsupported_parameters_are_400_unless_default(oai):
     r = chat(oai, messages, max_tokens=1, top_p=1, tool_choice="none", presence_penalty=0, frequency_penalty=0,
              logit_bias={}, response_format={"type": "text"}, user="someone")
     assert r.usage.completion_tokens == 1
+
+
+def test_a_stream_whose_client_disconnects_is_cancelled_and_leaves_nothing(live, client, rt):
+    """`/v1/chat/completions` with a `conversation_id`: the client reads one chunk
+    of a long decode and leaves; the step stops and the conversation it created is gone."""
+    import time
+
+    import httpx
+
+    body = {"messages": [sys("Disconnect on the OpenAI route."), user("Go on")], "max_tokens": 400, "stream": True,
+            "conversation_id": "oai-disconnect"}
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line)
+    deadline = time.monotonic() + 60
+    while rt.engine.stepping:
+        assert time.monotonic() < deadline, "the abandoned step never stopped"
+        time.sleep(0.02)
+    assert client.get("/v1/conversations/oai-disconnect").status_code == 404
+    rt.check_integrity()

@@ -745,9 +745,10 @@ def test_a_failed_streamed_step_is_counted_like_a_plain_one(client, pending_conv
     assert (m1 - m0, m2 - m1) == (1, 1)
 
 
-def test_client_disconnect_mid_stream_leaves_a_complete_turn(client, rt, live, monkeypatch):
-    """The step is held after its first token until the client has gone: the
-    disconnect happens mid-step, deterministically."""
+def test_client_disconnect_after_a_forced_step_computed_leaves_a_complete_turn(client, rt, live, monkeypatch):
+    """A forced output is computed in one forward, before its tokens stream: a
+    client that leaves while they stream finds the turn complete. The step is
+    held after its first token until the client has gone, deterministically."""
     system = "Disconnect mid-stream."
     cid = create(client, system=system, policy="keep", tenant="disconnect")
     f = {"reasoning": "A long thought " * 8, "content": "and a long answer " * 8}
@@ -806,27 +807,54 @@ def test_client_disconnect_mid_stream_leaves_a_complete_turn(client, rt, live, m
     assert s["accounting"]["cached_input_tokens"] == n + out
 
 
-def test_client_disconnect_during_a_greedy_decode(client, rt, live):
-    """Without any hook: read one event of a long decode, close, then the turn
-    is complete (max_tokens or stop) and equals the same request not streamed."""
+def test_client_disconnect_during_a_greedy_decode_cancels_the_step(client, rt, live):
+    """Without any hook: read one event of a long decode and close. The step
+    stops at its next token and changes nothing: the conversation then steps
+    exactly as a twin that never ran."""
     system = "Disconnect during greedy decode."
     cid = create(client, system=system, policy="keep", tenant="disc-greedy")
     with httpx.Client(base_url=live.url, timeout=60) as c2:
         with c2.stream("POST", f"/v1/conversations/{cid}/messages",
-                       json={"content": "Go on", "max_tokens": 64, "stream": True}) as r:
+                       json={"content": "Go on", "max_tokens": 400, "stream": True}) as r:
             next(line for line in r.iter_lines() if line)
-    # The next message waits for the conversation's lock: the first turn is committed by then.
-    s = step_ok(msg(client, cid, content="Next", forced={"content": "ok"}))
-    assert s["turn"] == 1
+    deadline = time.monotonic() + 60
+    while rt.engine.stepping:  # the cancelled step unwinds at its next token
+        assert time.monotonic() < deadline, "the abandoned step never stopped"
+        time.sleep(0.02)
     d = client.get(f"/v1/conversations/{cid}").json()
-    first = d["turns"][0]["steps"][0]
+    assert d["turns"] == [] and d["trace"] == []
     twin = create(client, system=system, policy="keep", tenant="disc-greedy-twin")
-    plain = step_ok(msg(client, twin, content="Go on", max_tokens=64))
-    assert first["output_tokens"] == plain["accounting"]["output_tokens"]
-    assert (d["trace"][1]["reasoning"], d["trace"][1]["content"]) == (plain["reasoning"], plain["content"])
-    # The chain holds the computed sequence exactly (the last sampled token was
-    # never fed), and the next turn reuses all of it.
-    assert s["accounting"]["cached_input_tokens"] == first["prompt_tokens"] + first["output_tokens"] - 1
+    s = step_ok(msg(client, cid, content="Go on", max_tokens=8))
+    plain = step_ok(msg(client, twin, content="Go on", max_tokens=8))
+    assert s["turn"] == 0 and (s["reasoning"], s["content"]) == (plain["reasoning"], plain["content"])
+    rt.check_integrity()
+
+
+def test_client_disconnect_during_a_plain_request_cancels_the_step(client, rt, live):
+    """Not streamed: the server watches the connection while the step runs."""
+    system = "Disconnect during a plain request."
+    cid = create(client, system=system, policy="keep", tenant="disc-plain")
+    started = threading.Event()
+    real = rt.send_message
+
+    def send_message(conversation_id, content, **kw):
+        if conversation_id == cid:
+            started.set()
+        return real(conversation_id, content, **kw)
+
+    rt.send_message = send_message
+    try:
+        with httpx.Client(base_url=live.url, timeout=1.0) as c2:
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+                c2.post(f"/v1/conversations/{cid}/messages", json={"content": "Go on", "max_tokens": 400})
+        assert started.is_set()
+        deadline = time.monotonic() + 60
+        while rt.engine.stepping:
+            assert time.monotonic() < deadline, "the abandoned step never stopped"
+            time.sleep(0.02)
+    finally:
+        del rt.send_message
+    assert client.get(f"/v1/conversations/{cid}").json()["turns"] == []
     rt.check_integrity()
 
 
