@@ -132,15 +132,14 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
 
         def run(on_token, stream_cancel):
             t0 = time.perf_counter()
-            try:
-                step = call(cid, first_arg, on_token=on_token, cancel=stream_cancel, **body.options())
-            except RuntimeErrorBase:
-                metrics.record_error()  # as the exception handler does for plain requests
-                raise
+            step = call(cid, first_arg, on_token=on_token, cancel=stream_cancel, **body.options())
             metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
             return step
 
-        return StreamingResponse(sse_step(run, runtime.template(conv.template)), media_type="text/event-stream")
+        # An error before the first token reaches the exception handlers (counted
+        # there); one after it is an event, counted as it is sent.
+        return StreamingResponse(sse_step(run, runtime.template(conv.template), cancel=cancel,
+                                          on_late_error=metrics.record_error), media_type="text/event-stream")
 
     # A step's client that disconnects, plain or streamed, cancels it (`cancellable`).
     @app.post("/v1/conversations/{cid}/messages")

@@ -182,8 +182,7 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
             t0 = time.perf_counter()
             try:
                 step = call(on_token=on_token, cancel=step_cancel, **options)
-            except Exception:
-                record_error()
+            except Exception:  # counted where it is answered: the error handlers, or a late stream event
                 undo()
                 raise
             if ephemeral:
@@ -197,7 +196,8 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         fmt = lambda kind, value: _chunk(kind, value, model, rid, usage, runtime.tokenizer.decode)  # noqa: E731
         tpl = runtime.template(runtime.get(cid).template)
         first = f"data: {json.dumps(_chunk('role', 'assistant', model, rid, usage))}\n\n"
-        return StreamingResponse(sse_step(run, tpl, fmt, first), media_type="text/event-stream")
+        return StreamingResponse(sse_step(run, tpl, fmt, first, cancel, on_late_error=record_error),
+                                 media_type="text/event-stream")
 
     return router
 

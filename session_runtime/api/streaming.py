@@ -11,7 +11,7 @@ import json
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Callable, Iterator, TypeVar
+from typing import AsyncIterator, Callable, Iterator, Optional, TypeVar
 
 import anyio
 from starlette.concurrency import iterate_in_threadpool
@@ -36,24 +36,31 @@ def session_event(kind: str, payload: object) -> dict:
 
 
 def sse_step(run: Callable[[Callable[[int], None], Cancellation], Step], tpl: Template,
-             fmt: Format = session_event, first: str = "") -> AsyncIterator[str]:
-    """Start `run(on_token, cancel)` now, on its own thread, and return the SSE
-    lines it produces (after `first`), ending with `data: [DONE]`. When the
-    client goes away before the end, the step is cancelled."""
+             fmt: Format = session_event, first: str = "", cancel: Optional[Cancellation] = None,
+             on_late_error: Callable[[], None] = lambda: None) -> AsyncIterator[str]:
+    """Start `run(on_token, cancel)` on its own thread and wait for its first
+    event: a step that fails before its first token raises here, so the client
+    gets the error's status instead of a 200 stream. Then return the SSE lines
+    (after `first`), ending with `data: [DONE]`; an error after the first token
+    is an `error` event (and `on_late_error()`: the error handlers never see it).
+    When the client goes away before the end, the step is cancelled."""
     events: queue.Queue = queue.Queue()
-    cancel = Cancellation()
+    cancel = cancel or Cancellation()
 
     def worker() -> None:
         try:
             events.put(("step", run(lambda tok: events.put(("token", tok)), cancel)))
         except RuntimeErrorBase as exc:
-            events.put(("error", ApiError.of(exc)))
-        except Exception:  # an engine bug: report it rather than hang the stream; its text goes to the log only
+            events.put(("error", exc))
+        except Exception as exc:  # an engine bug: report it rather than hang the stream; its text goes to the log only
             logging.getLogger("session_runtime").exception("internal error in a streamed step")
-            events.put(("error", ApiError(500, "internal", "internal error")))
+            events.put(("error", exc))
 
     threading.Thread(target=worker, name="sse-step", daemon=True).start()
-    return _until_disconnect(_lines(events, tpl, fmt), cancel, first)
+    head = events.get()
+    if head[0] == "error":
+        raise head[1]  # nothing was sent yet: the error handlers answer with its status
+    return _until_disconnect(_lines(events, tpl, fmt, head, on_late_error), cancel, first)
 
 
 async def _until_disconnect(lines: Iterator[str], cancel: Cancellation, first: str) -> AsyncIterator[str]:
@@ -96,11 +103,16 @@ async def cancellable(request: Request, fn: Callable[[Cancellation], T]) -> T:
     return outcome["value"]
 
 
-def _lines(events: queue.Queue, tpl: Template, fmt: Format) -> Iterator[str]:
+def _lines(events: queue.Queue, tpl: Template, fmt: Format, head: tuple,
+           on_late_error: Callable[[], None]) -> Iterator[str]:
     ids: list[int] = []
     sent = {"reasoning": "", "content": ""}
     while True:
-        kind, value = events.get()
+        kind, value = head if head is not None else events.get()
+        head = None
+        if kind == "error":
+            on_late_error()
+            value = ApiError.of(value) if isinstance(value, RuntimeErrorBase) else ApiError(500, "internal", "internal error")
         if kind == "token":
             ids.append(value)
             parsed = tpl.parse_output(ids, "")

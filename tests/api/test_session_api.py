@@ -599,8 +599,8 @@ def test_pool_exhausted_is_507(small_pool):
     other = create(client, system="Pool other.")
     empty = snapshot(client, other)
     error_of(msg(client, other, content=content, max_tokens=2), 507, "pool_exhausted")
-    _, events = stream(client, f"/v1/conversations/{other}/messages", {"content": content, "max_tokens": 2})
-    assert events[0]["type"] == "error" and events[0]["error"]["status"] == 507 and events[1] == "[DONE]"
+    r, _ = stream(client, f"/v1/conversations/{other}/messages", {"content": content, "max_tokens": 2})
+    error_of(r, 507, "pool_exhausted")  # before its first token: the status, as a plain request
     assert snapshot(client, other) == empty and pool_state(rt) == pools
     assert metrics(client)["session_pool_free_tokens"] == 32
     # Three failed steps, the streamed one included.
@@ -714,8 +714,9 @@ def test_stream_that_ends_in_tool_calls(client, rt):
 
 
 def test_stream_errors(client, rt, pending_conv, closed_conv):
-    """404 is known before the stream starts; errors of the step itself arrive as
-    an `error` event (HTTP 200 has been sent) and change nothing."""
+    """A streamed step that fails before its first token answers with the
+    error's status, as a plain one does (nothing has been sent yet), and
+    changes nothing."""
     r, events = stream(client, "/v1/conversations/nope/messages", {"content": "Hi"})
     error_of(r, 404, "not_found")
     for cid, path, body, status, kind in (
@@ -726,11 +727,8 @@ def test_stream_errors(client, rt, pending_conv, closed_conv):
     ):
         before = snapshot(client, cid)
         r, events = stream(client, f"/v1/conversations/{cid}/{path}", body)
-        assert r.status_code == 200 and len(events) == 2 and events[1] == "[DONE]", events
-        err = events[0]
-        assert err["type"] == "error" and set(err["error"]) == {"type", "message", "status"}
-        assert (err["error"]["type"], err["error"]["status"]) == (kind, status)
-        assert snapshot(client, cid) == before
+        error_of(r, status, kind)
+        assert events == [] and snapshot(client, cid) == before
         rt.check_integrity()
     # Validation runs before the stream: a plain 422.
     error_of(client.post(f"/v1/conversations/{closed_conv}/messages", json={"stream": True}), 422, "validation_error")
