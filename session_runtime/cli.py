@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="larger request bodies are refused with 413 before they are read")
     serve.add_argument("--request-deadline-s", type=float, default=_DEFAULTS.request_deadline_s, metavar="S",
                        help="a step still running after S seconds stops, fails with 408 and changes nothing (0: none)")
+    serve.add_argument("--max-conversations-per-tenant", type=int, default=_DEFAULTS.max_conversations_per_tenant,
+                       metavar="N", help="a tenant's conversations the server keeps; one more is 429 (0: no limit)")
     serve.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of random preset weights")
     serve.add_argument("--policy", default=_DEFAULTS.policy,
                        choices=["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"],
@@ -116,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         backend=args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
         workers=args.workers, placement_epsilon=args.placement_epsilon,
         sglang_max_running=args.sglang_max_running, request_deadline_s=args.request_deadline_s,
+        max_conversations_per_tenant=args.max_conversations_per_tenant,
     )
 
 

@@ -120,12 +120,15 @@ class RuntimeConfig:
     sglang_args: tuple[str, ...] = ()  # extra flags for a launched SGLang server
     sglang_max_running: int = 32  # --max-running-requests of a launched server
     request_deadline_s: float = 600.0  # a step still running after this fails (408) and changes nothing; 0: none
+    max_conversations_per_tenant: int = 10000  # a tenant's conversations the server keeps; 0: no limit
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.pool_tokens < self.page_size:
             raise ValueError("pool_tokens must hold at least one page")
+        if self.max_conversations_per_tenant < 0:
+            raise ValueError(f"max_conversations_per_tenant must be >= 0, got {self.max_conversations_per_tenant}")
         if self.request_deadline_s < 0:
             raise ValueError(f"request_deadline_s must be >= 0, got {self.request_deadline_s}")
         if self.prefill_chunk < 1:

@@ -95,3 +95,10 @@ class StorageUnavailable(RuntimeErrorBase):
 
     status = 503
     error_type = "storage_unavailable"
+
+
+class TooManyConversations(RuntimeErrorBase):
+    """The tenant already has as many conversations as the server keeps for one."""
+
+    status = 429
+    error_type = "conversation_limit"

@@ -23,7 +23,7 @@ from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.backends.base import Cancellation, StepRequest, StepResult, create_backend
-from session_runtime.errors import (BackendUnavailable, ShuttingDown, StorageUnavailable, ConversationBusy, ConversationNotFound, InvalidRequest,
+from session_runtime.errors import (BackendUnavailable, ShuttingDown, StorageUnavailable, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
 from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadManager, OffloadSettings
@@ -168,13 +168,24 @@ class Runtime(RuntimeInspection):
             materialize=MaterializeSettings(materialize, continue_probability=continue_probability),
             offload=OffloadSettings(offload or self.config.offload, ttl_s=ttl_s),
         )
+        limit = self.config.max_conversations_per_tenant
         with self._lock:
             if conv.id in self.conversations:
                 raise ConversationBusy(f"conversation {conv.id!r} already exists")
+            if limit and sum(c.tenant == conv.tenant for c in self.conversations.values()) >= limit:
+                raise TooManyConversations(f"the tenant has {limit} conversations, the most this server keeps "
+                                           "(--max-conversations-per-tenant): delete some first")
             self.conversations[conv.id] = conv
             self._conv_locks[conv.id] = threading.Lock()
         self._place(conv)
-        self._persist(conv)
+        try:
+            self._persist(conv)
+        except Exception as exc:  # not saved, not created
+            with self._lock:
+                self.conversations.pop(conv.id, None)
+                self._conv_locks.pop(conv.id, None)
+            self.backend.release(conv.id)
+            raise StorageUnavailable(f"the conversation could not be saved, so it was not created: {exc}") from exc
         return conv.id
 
     def adopt_history(self, conversation_id: str, system: Optional[str], tools: Sequence[dict],
@@ -239,9 +250,13 @@ class Runtime(RuntimeInspection):
                     raise ConversationNotFound(conversation_id)
             yield conv
 
-    def delete_conversation(self, conversation_id: str) -> None:
-        """Forget the conversation and unlock its chain (its KV becomes evictable)."""
+    def delete_conversation(self, conversation_id: str, if_version: Optional[int] = None) -> bool:
+        """Forget the conversation and unlock its chain (its KV becomes evictable).
+        With `if_version`, only while nothing has committed since that version
+        (an undo never deletes another request's turn). Returns whether it deleted."""
         with self._locked(conversation_id) as conv:
+            if if_version is not None and conv.version != if_version:
+                return False
             if self.store is not None:  # first: a delete that cannot be saved does not happen
                 try:
                     self.store.delete(conv.id)
@@ -253,6 +268,7 @@ class Runtime(RuntimeInspection):
                 self.conversations.pop(conv.id, None)
                 self._conv_locks.pop(conv.id, None)
             self.backend.release(conv.id)
+            return True
 
     # ----- steps ----------------------------------------------------------------
 

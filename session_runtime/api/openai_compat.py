@@ -158,18 +158,20 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         ephemeral = fresh and not body.conversation_id
 
         adopted = False
+        mine = 0  # the conversation's version after this request's own last change
 
         def undo() -> None:
             # A failed request changes nothing: forget what it created, or put
-            # back the conversation it adopted a history into (unless another
-            # request has committed since).
+            # back the conversation it adopted a history into, unless another
+            # request has committed since (then that request's turn stays).
             if fresh:
-                runtime.delete_conversation(cid)
+                runtime.delete_conversation(cid, if_version=mine)
             elif saved is not None and adopted:
                 runtime.restore_conversation(saved, saved.version + 1)
 
         try:
             adopted = runtime.adopt_history(cid, system, body.tools or [], rest[: len(rest) - len(tail)])
+            mine = runtime.get(cid).version
         except Exception:
             undo()
             raise
