@@ -1,4 +1,4 @@
-"""Read-only views of a Runtime: a conversation's layers, the tree, pool gauges.
+"""Read-only views of a Runtime: a conversation's layers, the tree, /metrics' samples.
 
 A mixin of Runtime, kept apart from the code that changes state.
 """
@@ -9,6 +9,7 @@ from typing import Optional
 
 from radix_ext.tree import NodeInfo
 from session_runtime.errors import BackendUnavailable, WorkerNotFound
+from session_runtime.metrics import Sample, counter, gauge
 
 
 class RuntimeInspection:
@@ -64,17 +65,21 @@ class RuntimeInspection:
         with self._lock:
             return {cid for cid, conv in self.conversations.items() if conv.tenant == tenant}
 
-    def gauges(self) -> dict[str, float]:
-        """Pool usage for /metrics."""
+    def metric_samples(self) -> list[Sample]:
+        """The runtime's and the backend's figures for /metrics (many workers:
+        labelled per worker)."""
         try:
-            pools = self.backend.gauges()  # many workers: labelled per worker too
+            pools = self.backend.metric_samples()
         except BackendUnavailable:
-            pools = {}
-        return {
-            **pools,
-            "backend_up": float(bool(pools)),
-            "conversations": len(self.conversations),
-            "materialized_total": self.materializer.stats["done"],
-            "materialize_cancelled_total": self.materializer.stats["cancelled"],
-            "materialize_joined_total": self.materializer.stats["joined"],
-        }
+            pools = []
+        stats = self.materializer.stats
+        return [
+            *pools,
+            gauge("backend_up", float(bool(pools)), "1 when the backend answered for its pool figures, else 0"),
+            gauge("conversations", len(self.conversations), "Conversations held"),
+            counter("materialized_total", stats["done"], "Canonical-branch materializations done"),
+            counter("materialize_cancelled_total", stats["cancelled"],
+                    "Materializations cancelled before they ran (a newer job or a user step came first)"),
+            counter("materialize_joined_total", stats["joined"],
+                    "User steps that waited for their conversation's running materialization"),
+        ]

@@ -29,7 +29,7 @@ from session_runtime.api.streaming import cancellable, sse_step
 from session_runtime.api.tree_page import tree_page_router
 from session_runtime.api.schemas import CreateConversation, SendMessage, SendToolResults
 from session_runtime.errors import RuntimeErrorBase
-from session_runtime.metrics import Metrics
+from session_runtime.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE, Metrics
 from session_runtime.runtime import Runtime
 
 def _param(errors: list[dict]) -> Optional[str]:
@@ -179,7 +179,7 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
     app.include_router(tree_page_router())
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    def prometheus() -> str:
-        return metrics.render(runtime.gauges())
+    def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(runtime.metric_samples()), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app

@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime.accounting import StepAccounting
 from session_runtime.errors import DeadlineExceeded, RuntimeErrorBase
+from session_runtime.metrics import Sample
 from session_runtime.sampling import SamplingParams
 
 
@@ -148,8 +149,9 @@ class Backend(ABC):
         """The tree's nodes (or one owner's chain), parents first."""
 
     @abstractmethod
-    def gauges(self) -> dict[str, float]:
-        """Pool figures for /metrics."""
+    def metric_samples(self) -> list[Sample]:
+        """Pool and transfer figures for /metrics, in base units: none, or
+        BackendUnavailable, when the backend cannot say now."""
 
     @abstractmethod
     def free_fraction(self) -> float:

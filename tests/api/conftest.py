@@ -21,6 +21,8 @@ from typing import Iterator, Optional
 import httpx
 import pytest
 
+from tests import prometheus
+
 PAGE = 16
 MAX_CONTEXT = 512
 TINY_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # K+V, 4 layers, 2 kv heads, head_dim 64, float32
@@ -187,13 +189,10 @@ def stream(client: httpx.Client, path: str, body: dict) -> tuple[httpx.Response,
 
 
 def metrics(client: httpx.Client) -> dict[str, float]:
-    text = client.get("/metrics").text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    """/metrics' series by name (labels included), read with Prometheus' parser."""
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    return prometheus.parse(r.text)
 
 
 def first_prompt_len(rt, system: Optional[str], content: str) -> int:

@@ -341,13 +341,16 @@ def test_debug_tree(client, rt):
 
 def test_metrics_move_by_exact_amounts(client, rt):
     r = client.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     for name in ("steps_total", "prompt_tokens_total", "cached_input_tokens_total", "prefill_tokens_total",
-                 "recomputed_history_tokens_total", "output_tokens_total", "step_errors_total"):
-        assert f"# TYPE session_{name} counter\n" in r.text
+                 "recomputed_history_tokens_total", "output_tokens_total", "step_errors_total",
+                 "materialized_total", "offload_demoted_bytes_total", "offload_demote_seconds_total"):
+        assert f"# TYPE session_runtime_{name} counter\n" in r.text
     for name in ("pool_capacity_tokens", "pool_free_tokens", "tree_locked_tokens", "tree_evictable_tokens",
-                 "conversations"):
-        assert f"# TYPE session_{name} gauge\n" in r.text
+                 "conversations", "backend_up"):
+        assert f"# TYPE session_runtime_{name} gauge\n" in r.text
+    for name in ("step_latency_seconds", "time_to_first_token_seconds"):
+        assert f"# TYPE session_runtime_{name} histogram\n" in r.text
 
     m0 = metrics(client)
     cid = create(client, system="Metrics move by exact amounts.", policy="keep")
@@ -361,7 +364,7 @@ def test_metrics_move_by_exact_amounts(client, rt):
     steps = (a1, a2, a3)
 
     def delta(name):
-        return m1[f"session_{name}"] - m0[f"session_{name}"]
+        return m1[f"session_runtime_{name}"] - m0[f"session_runtime_{name}"]
 
     assert delta("steps_total") == 3
     assert delta("prompt_tokens_total") == sum(a["prompt_tokens"] for a in steps)
@@ -370,13 +373,15 @@ def test_metrics_move_by_exact_amounts(client, rt):
     assert delta("recomputed_history_tokens_total") == sum(a["recomputed_history_tokens"] for a in steps)
     assert delta("output_tokens_total") == 36
     assert delta("step_errors_total") == 2
-    assert delta("ttft_ms_sum") == pytest.approx(sum(a["ttft_ms"] for a in steps), abs=2e-3)
-    assert delta("step_latency_ms_sum") > 0
+    ttft_s = sum(a["ttft_ms"] for a in steps) / 1e3
+    assert delta("time_to_first_token_seconds_sum") == pytest.approx(ttft_s, abs=2e-6)
+    assert delta("time_to_first_token_seconds_count") == delta("step_latency_seconds_count") == 3
+    assert delta("step_latency_seconds_sum") > 0
     free, locked, evictable = pool_state(rt)
-    assert (m1["session_pool_capacity_tokens"], m1["session_pool_free_tokens"]) == (16384, free)
-    assert (m1["session_tree_locked_tokens"], m1["session_tree_evictable_tokens"]) == (locked, evictable)
-    assert m1["session_conversations"] == len(rt.conversations)
-    assert m1["session_conversations"] - m0["session_conversations"] == 1
+    assert (m1["session_runtime_pool_capacity_tokens"], m1["session_runtime_pool_free_tokens"]) == (16384, free)
+    assert (m1["session_runtime_tree_locked_tokens"], m1["session_runtime_tree_evictable_tokens"]) == (locked, evictable)
+    assert m1["session_runtime_conversations"] == len(rt.conversations)
+    assert delta("conversations") == 1
 
 
 # ----- errors ----------------------------------------------------------------------
@@ -602,9 +607,9 @@ def test_pool_exhausted_is_507(small_pool):
     r, _ = stream(client, f"/v1/conversations/{other}/messages", {"content": content, "max_tokens": 2})
     error_of(r, 507, "pool_exhausted")  # before its first token: the status, as a plain request
     assert snapshot(client, other) == empty and pool_state(rt) == pools
-    assert metrics(client)["session_pool_free_tokens"] == 32
+    assert metrics(client)["session_runtime_pool_free_tokens"] == 32
     # Three failed steps, the streamed one included.
-    assert metrics(client)["session_step_errors_total"] - m0["session_step_errors_total"] == 3
+    assert metrics(client)["session_runtime_step_errors_total"] - m0["session_runtime_step_errors_total"] == 3
     rt.check_integrity()
 
     # Once the holder's turn closes its chain is idle: under pressure it leaves
@@ -735,11 +740,11 @@ def test_stream_errors(client, rt, pending_conv, closed_conv):
 
 
 def test_a_failed_streamed_step_is_counted_like_a_plain_one(client, pending_conv):
-    m0 = metrics(client)["session_step_errors_total"]
+    m0 = metrics(client)["session_runtime_step_errors_total"]
     error_of(msg(client, pending_conv, content="Still there?"), 409)
-    m1 = metrics(client)["session_step_errors_total"]
+    m1 = metrics(client)["session_runtime_step_errors_total"]
     stream(client, f"/v1/conversations/{pending_conv}/messages", {"content": "Still there?"})
-    m2 = metrics(client)["session_step_errors_total"]
+    m2 = metrics(client)["session_runtime_step_errors_total"]
     assert (m1 - m0, m2 - m1) == (1, 1)
 
 

@@ -111,7 +111,7 @@ def test_sglang_dies_and_comes_back(served):
     during = client.get(f"/v1/conversations/{cid}").json()
     assert during["chain"]["cached_tokens"] is None
     assert {k: v for k, v in during.items() if k != "chain"} == {k: v for k, v in before.items() if k != "chain"}
-    assert "session_backend_up 0\n" in client.get("/metrics").text
+    assert "session_runtime_backend_up 0\n" in client.get("/metrics").text
     health = client.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "backend_unavailable"
 

@@ -26,6 +26,7 @@ from session_runtime.config import RuntimeConfig
 from session_runtime.backends.embedded.fairlock import FairRLock
 from session_runtime.backends.embedded.engine_host import HostTierOps
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
+from session_runtime.metrics import Sample, counter, gauge
 from session_runtime.model.decoder import Decoder
 from session_runtime.sampling import Sampler, token_logprob
 
@@ -462,19 +463,31 @@ class Engine(HostTierOps, Backend):
         with self.lock:
             return (self.pools.allocator.available_size() + self.tree.evictable_size()) / self.pools.capacity
 
-    def gauges(self) -> dict[str, float]:
-        import dataclasses
+    def metric_samples(self) -> list[Sample]:
+        return self._read(("metric_samples",), self._metric_samples, [])
 
-        return self._read(("gauges",), lambda: {
-                "pool_capacity_tokens": self.pools.capacity,
-                "pool_free_tokens": self.pools.allocator.available_size(),
-                "tree_locked_tokens": self.tree.protected_size(),
-                "tree_evictable_tokens": self.tree.evictable_size(),
-                "tree_private_tokens": self.tree.private_tokens(),
-                "host_capacity_tokens": self.host.capacity_tokens,
-                "host_used_tokens": self.host.used_tokens,
-                **{f"offload_{k}": v for k, v in dataclasses.asdict(self.host.stats).items()},
-            }, {})
+    def _metric_samples(self) -> list[Sample]:
+        moved = self.host.stats
+        return [
+            gauge("pool_capacity_tokens", self.pools.capacity, "KV slots of the device pool"),
+            gauge("pool_free_tokens", self.pools.allocator.available_size(), "Free KV slots of the device pool"),
+            gauge("tree_locked_tokens", self.tree.protected_size(), "Tree tokens locked by conversations"),
+            gauge("tree_evictable_tokens", self.tree.evictable_size(), "Tree tokens no chain locks: evictable"),
+            gauge("tree_private_tokens", self.tree.private_tokens(),
+                  "KV slots held by chains' private partial pages (whole pages)"),
+            gauge("host_capacity_tokens", self.host.capacity_tokens, "Tokens the host tier can hold"),
+            gauge("host_used_tokens", self.host.used_tokens, "Tokens the host tier holds"),
+            counter("offload_demoted_tokens_total", moved.demoted_tokens, "Tokens copied from the device to the host"),
+            counter("offload_demoted_bytes_total", moved.demoted_bytes, "KV bytes copied from the device to the host"),
+            counter("offload_demote_seconds_total", moved.demote_ms / 1e3, "Time spent copying KV to the host"),
+            counter("offload_promoted_tokens_total", moved.promoted_tokens, "Tokens copied from the host to the device"),
+            counter("offload_promoted_bytes_total", moved.promoted_bytes, "KV bytes copied from the host to the device"),
+            counter("offload_promote_seconds_total", moved.promote_ms / 1e3, "Time spent copying KV to the device"),
+            counter("offload_lost_tokens_total", moved.lost_tokens,
+                    "Host tokens dropped for room (recomputed when their conversation resumes)"),
+            counter("offload_shared_tokens_total", moved.shared_tokens,
+                    "Host tokens reloaded for another conversation whose prompt shares them"),
+        ]
 
     def describe(self) -> str:
         return (f"embedded engine (page size {self.page_size}, pool {self.capacity} tokens, host tier "

@@ -28,6 +28,7 @@ from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime.accounting import StepAccounting, attention_work
 from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming
 from session_runtime.errors import BackendUnavailable, ContextTooLong, InvalidRequest, PoolExhausted
+from session_runtime.metrics import Sample, gauge
 
 logger = logging.getLogger(__name__)
 
@@ -348,11 +349,16 @@ class SGLangBackend(Backend):
     def pools(self) -> dict:
         return self._call("pools")
 
-    def gauges(self) -> dict[str, float]:
+    def metric_samples(self) -> list[Sample]:
         p = self.pools()
-        return {"pool_capacity_tokens": p["capacity"], "pool_free_tokens": p["available"],
-                "tree_locked_tokens": p["protected"], "tree_evictable_tokens": p["evictable"],
-                "sglang_requests_in_scheduler": p["running"]}
+        return [
+            gauge("pool_capacity_tokens", p["capacity"], "KV slots of the device pool"),
+            gauge("pool_free_tokens", p["available"], "Free KV slots of the device pool"),
+            gauge("tree_locked_tokens", p["protected"], "Tree tokens locked by conversations"),
+            gauge("tree_evictable_tokens", p["evictable"], "Tree tokens no chain locks: evictable"),
+            gauge("sglang_requests_in_scheduler", p["running"],
+                  "Requests SGLang's scheduler holds: waiting, running or in its last batch"),
+        ]
 
     def free_fraction(self) -> float:
         p = self.pools()

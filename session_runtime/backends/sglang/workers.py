@@ -29,6 +29,7 @@ from session_runtime import placement
 from session_runtime.backends.base import Backend, StepRequest, StepResult
 from session_runtime.backends.sglang.backend import SGLangBackend
 from session_runtime.errors import BackendUnavailable, InvalidRequest
+from session_runtime.metrics import Sample, counter, gauge
 
 logger = logging.getLogger(__name__)
 
@@ -250,19 +251,24 @@ class WorkerPool(Backend):
             return self.workers[worker].snapshot(preview, owner)
         return [n for _, w in self._live() for n in w.snapshot(preview, owner)]
 
-    def gauges(self) -> dict[str, float]:
-        """Totals over the live workers, and each one's own with a `worker` label
-        (one control round trip per worker)."""
-        totals: dict[str, float] = {}
-        labeled: dict[str, float] = {}
+    def metric_samples(self) -> list[Sample]:
+        """Each live worker's figures with a `worker` label (one control round
+        trip per worker), and the pool's own. No unlabelled total beside them:
+        `sum()` over the family would count it twice; sum the workers instead."""
+        samples: list[Sample] = []
         for wid, w in self._live():
-            for k, v in w.gauges().items():
-                totals[k] = totals.get(k, 0) + v
-                labeled[f'{k}{{worker="{wid}"}}'] = v
-        totals["sglang_workers_up"] = sum(self.up.values())
-        totals["sglang_workers_draining"] = len(self.draining)
-        totals["sglang_conversations_moved_total"] = self.moves
-        return {**totals, **labeled}
+            try:
+                samples += [s.labelled(worker=wid) for s in w.metric_samples()]
+            except BackendUnavailable as exc:  # the others' figures still count
+                self._mark(w, exc)
+        with self._lock:
+            up, draining, moves = sum(self.up.values()), len(self.draining), self.moves
+        return [
+            *samples,
+            gauge("sglang_workers_up", up, "SGLang workers that answer"),
+            gauge("sglang_workers_draining", draining, "SGLang workers being drained"),
+            counter("sglang_conversations_moved_total", moves, "Conversations moved off a dead or draining worker"),
+        ]
 
     def free_fraction(self) -> float:
         live = self._live()
