@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from session_runtime.bounded_cache import BytesLRU
+
 Piece = tuple[str, bool]  # (text, trusted): template markup (True) or client text (False)
 
 
@@ -28,11 +30,11 @@ class Tokenizer:
         alternatives = sorted(self.added, key=len, reverse=True)
         object.__setattr__(self, "_added", re.compile("|".join(map(re.escape, alternatives))) if alternatives else None)
         # Every step renders the whole history again (prefix-stable, segment-wise):
-        # memoize each segment's ids so a long conversation is not re-tokenized.
-        object.__setattr__(self, "_encode", functools.lru_cache(maxsize=8192)(
-            lambda text: tuple(self.inner.encode(text, add_special_tokens=False).ids)))
-        object.__setattr__(self, "_encode_text", functools.lru_cache(maxsize=8192)(
-            lambda text: tuple(self.plain.encode(text, add_special_tokens=False).ids)))
+        # memoize each segment's ids so a long conversation is not re-tokenized,
+        # within 64 MB per memo (text and ids, as Python holds them).
+        for name, tok in (("_encode", self.inner), ("_encode_text", self.plain)):
+            memo = BytesLRU(64 << 20, _entry_bytes)
+            object.__setattr__(self, name, functools.partial(_memo_encode, memo, tok))
 
     def encode(self, text: str) -> list[int]:
         """Ids of template text: added tokens written in it (<think>, ...) match."""
@@ -74,6 +76,14 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.inner.get_vocab_size()
+
+
+def _entry_bytes(text: str, ids: tuple[int, ...]) -> int:
+    return 2 * len(text) + 8 * len(ids) + 200  # str data (UCS-2 or wider: 2+), tuple slots, object headers
+
+
+def _memo_encode(memo: BytesLRU, tok, text: str) -> tuple[int, ...]:
+    return memo.get_or_compute(text, lambda: tuple(tok.encode(text, add_special_tokens=False).ids))
 
 
 def _load(path: Path, name: str) -> Tokenizer:

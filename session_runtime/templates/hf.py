@@ -22,11 +22,11 @@ that start inside its text.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import KeepReasoning, Message, ParsedOutput, Rendered, ToolCall, message_groups
 from session_runtime.templates.hf_parse import parser_for
@@ -55,7 +55,8 @@ class HFTemplate:
         self.parser = parser_for(chat_template)
         self.call_marker = self.parser.call_marker
         self._user_header = self._find_user_header()
-        self._heads = functools.lru_cache(maxsize=256)(self._head_spans)
+        heads = BytesLRU(64 << 20, lambda key, spans: 2 * len(key) + sum(8 * len(ids) + 100 for _, ids in spans))
+        self._heads = lambda key: heads.get_or_compute(key, lambda: self._head_spans(key))
 
     # ----- the folder -------------------------------------------------------------
 

@@ -12,13 +12,13 @@ except that text can never forge a control token.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.tokenizer import Tokenizer
 
@@ -102,11 +102,12 @@ class OfficialRenderer:
         self._render_jinja = render_jinja_template
         controls = sorted((t for t in tok.added if t), key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, controls))) if controls else None
-        self._cached = functools.lru_cache(maxsize=1024)(self._render_key)
+        # Every step renders the same prefixes again: memoized, within 128 MB.
+        self._memo = BytesLRU(128 << 20, lambda key, r: 2 * len(key[0]) + 2 * len(r.text) + 64 * len(r.controls) + 200)
 
     def render(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> RenderedText:
         key = json.dumps([list(messages), list(tools)], ensure_ascii=False)  # key order kept: templates iterate dicts
-        return self._cached(key, generation_prompt)
+        return self._memo.get_or_compute((key, generation_prompt), lambda: self._render_key(key, generation_prompt))
 
     def text(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> str:
         return self.render(messages, tools, generation_prompt).text

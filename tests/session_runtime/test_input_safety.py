@@ -70,8 +70,15 @@ def test_streamed_deltas_equal_the_step(rt):
     tpl = rt.template("deepseek")
     cid = rt.create_conversation()
     forced = {"reasoning": "思考中 🤔 done", "content": "Checking 🎉 ünïcödé.", "tool_calls": [{"name": "f", "arguments": {}}]}
-    lines = list(sse_step(lambda on_token: rt.send_message(cid, "go", forced=forced, on_token=on_token), tpl))
+    import asyncio
     import json
+
+    async def read(it):
+        return [line async for line in it]
+
+    stream = sse_step(lambda on_token, cancel: rt.send_message(cid, "go", forced=forced, on_token=on_token,
+                                                              cancel=cancel), tpl)
+    lines = asyncio.run(read(stream))
 
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     content = "".join(e["delta"] for e in events if e["type"] == "content")
@@ -79,3 +86,19 @@ def test_streamed_deltas_equal_the_step(rt):
     step = events[-1]
     assert (reasoning, content) == (step["reasoning"], step["content"]) == (forced["reasoning"], forced["content"])
     assert lines[-1] == "data: [DONE]\n\n"
+
+
+def test_the_tokenizer_memo_is_bounded_by_bytes_not_entries():
+    """Distinct huge messages (each refused later, say) are not kept: the memo
+    stays within its bytes while small texts are still memoized."""
+    from session_runtime.tokenizer import deepseek_tokenizer
+
+    tok = deepseek_tokenizer()
+    memo = tok._encode_text.args[0]
+    before = memo.bytes
+    for i in range(3):
+        tok.encode_text(f"{i} " + "word " * 1_000_000)  # 5 MB each: over an eighth of the memo, never kept
+    assert memo.bytes == before
+    for i in range(2000):
+        tok.encode_text(f"small text {i}")
+    assert len(memo) >= 2000 and memo.bytes <= memo.max_bytes
