@@ -108,7 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_model(model: str) -> None:
+    """A preset or a local folder with config.json, checked before anything heavy
+    is imported (a typo fails in milliseconds, not after SGLang's import)."""
+    from pathlib import Path
+
+    from session_runtime.config import PRESETS
+
+    if model not in PRESETS and not (Path(model) / "config.json").is_file():
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local folder "
+                         f"with config.json (cwd {Path.cwd()})")
+
+
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    _check_model(args.model)
     return RuntimeConfig(
         model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, max_tokens_limit=args.max_tokens_limit,

@@ -36,3 +36,16 @@ def test_help_shows_the_defaults_and_version_the_package(capsys):
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out == f"session-runtime {importlib.metadata.version('session-runtime')}\n"
+
+
+def test_a_missing_model_folder_fails_before_anything_heavy_is_imported(tmp_path):
+    """In a fresh interpreter: the error comes back without torch or SGLang loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from session_runtime.cli import main; rc = main(['serve', '--model', sys.argv[1]]); "
+            "print(rc, 'torch' in sys.modules, 'sglang' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "missing")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["2", "False", "False"], out
+    assert "is neither a preset" in out.stderr and "nor a local folder with config.json" in out.stderr
