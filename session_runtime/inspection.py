@@ -40,7 +40,14 @@ class RuntimeInspection:
             "worker": self.backend.worker_of(conv.id) or conv.worker,
         }
         if tokens:
-            out["chain"]["token_ids"] = list(conv.chain_tokens)
+            # What the tree holds: the chain is a prefix of the canonical rendering
+            # (the generated sequence inside an open turn; after a close, the fork
+            # and, once materialized, the canonical branch). The generated
+            # sequence itself is the trace's.
+            keep = conv.policy.kept_turns(conv.closed_turns)
+            canonical = self.template(conv.template).render(conv.system, conv.tools, conv.history, keep, False).ids
+            out["chain"]["token_ids"] = canonical[: chain_len or 0]
+            out["chain"]["sequence_token_ids"] = list(conv.chain_tokens)
         return out
 
     def tree_snapshot(self, conversation: Optional[str] = None, worker: Optional[str] = None) -> list[NodeInfo]:

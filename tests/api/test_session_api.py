@@ -183,8 +183,9 @@ def test_forced_turns_get_and_token_ids(client, rt):
     forced = tpl.forced_ids(FORCED["reasoning"], FORCED["content"])
     expected = ([tpl.bos, *enc(system), tpl.user, *enc("Hello"), tpl.assistant, tpl.think, *forced,
                  tpl.user, *enc("Hello there"), tpl.assistant, tpl.think, *forced])
-    assert withids["chain"]["token_ids"] == expected and len(expected) == 38
-    assert {k: v for k, v in withids["chain"].items() if k != "token_ids"} == d["chain"]
+    assert withids["chain"]["token_ids"] == expected and len(expected) == 38  # keep: the tree holds the sequence
+    assert withids["chain"]["sequence_token_ids"] == expected
+    assert {k: v for k, v in withids["chain"].items() if not k.endswith("token_ids")} == d["chain"]
     assert client.get(f"/v1/conversations/{cid}", params={"tokens": 0}).json() == d
 
 
@@ -1000,3 +1001,18 @@ def test_concurrent_steps_on_many_conversations(client, rt, live):
         d = client.get(f"/v1/conversations/{cid}").json()
         assert [t["content"] for t in d["trace"] if t["role"] == "user"] == ["Turn 0", "Turn 1", "Turn 2"]
         assert [s["accounting"] for s in steps] == [t["steps"][0] for t in d["turns"]]
+
+
+def test_token_ids_show_the_chain_the_tree_holds_after_a_drop(client, rt):
+    """Under drop the chain holds the canonical history up to the fork once the
+    turn closes; `?tokens=1` shows that, and the generated sequence apart."""
+    cid = create(client, system="Tokens after a drop.", policy="drop", materialize="never")
+    step_ok(msg(client, cid, content="Hello", forced={"reasoning": "Think about it.", "content": "42."}))
+    d = client.get(f"/v1/conversations/{cid}", params={"tokens": 1}).json()
+    chain, seq = d["chain"]["token_ids"], d["chain"]["sequence_token_ids"]
+    assert len(chain) == d["chain"]["cached_tokens"] and len(seq) == d["chain"]["sequence_tokens"]
+    assert len(chain) < len(seq) and seq[: len(chain)] == chain  # the fork: a prefix of both
+    conv = rt.get(cid)
+    tpl = rt.template(conv.template)
+    canonical = tpl.render(conv.system, conv.tools, conv.history, conv.policy.kept_turns(conv.closed_turns), False).ids
+    assert canonical[: len(chain)] == chain and canonical != seq
