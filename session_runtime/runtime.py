@@ -284,6 +284,7 @@ class Runtime(RuntimeInspection):
         forced: Optional[dict] = None,
         on_token: Optional[Callable[[int], None]] = None,
         cancel: Optional[Cancellation] = None,
+        top_p: float = 1.0,
     ) -> Step:
         """Open a turn with a user message and run its first step (at most
         `max_tokens`: None is 64, or the server's limit if lower).
@@ -302,7 +303,8 @@ class Runtime(RuntimeInspection):
                 raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}")
             turn = len(conv.turns)
             return self._step(conv, [Message("user", turn, content)], turn,
-                              self._sampling(conv, max_tokens, temperature, seed, logprobs), forced, on_token, cancel)
+                              self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p), forced, on_token,
+                              cancel)
 
     def send_tool_results(
         self,
@@ -316,6 +318,7 @@ class Runtime(RuntimeInspection):
         forced: Optional[dict] = None,
         on_token: Optional[Callable[[int], None]] = None,
         cancel: Optional[Cancellation] = None,
+        top_p: float = 1.0,
     ) -> Step:
         """Answer every pending tool call of the open turn and run its next step.
 
@@ -341,7 +344,7 @@ class Runtime(RuntimeInspection):
                 raise InvalidRequest(f"results must answer every pending call; missing {missing}")
             turn = conv.protocol.turn
             msgs = [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
-            return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs),
+            return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p),
                               forced, on_token, cancel)
 
     @property
@@ -364,9 +367,9 @@ class Runtime(RuntimeInspection):
                                  "(--max-tokens-limit, at most the context)", param="max_tokens")
         return requested
 
-    def _sampling(self, conv, max_tokens, temperature, seed, logprobs) -> SamplingParams:
+    def _sampling(self, conv, max_tokens, temperature, seed, logprobs, top_p: float = 1.0) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.max_tokens(max_tokens), temperature=temperature, seed=seed,
+            max_tokens=self.max_tokens(max_tokens), temperature=temperature, seed=seed, top_p=top_p,
             stop_token_ids=self.template(conv.template).stop_token_ids, logprobs=logprobs,
         )
 

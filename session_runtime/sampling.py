@@ -14,6 +14,7 @@ from session_runtime.errors import InvalidRequest
 class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0  # 0 (or below 1e-5) means greedy
+    top_p: float = 1.0  # nucleus sampling: draw from the fewest tokens whose probability reaches top_p
     seed: Optional[int] = None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: bool = False
@@ -23,6 +24,8 @@ class SamplingParams:
             raise InvalidRequest(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not self.temperature >= 0.0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidRequest(f"seed must fit in 64 bits, got {self.seed}")
 
@@ -41,7 +44,18 @@ class Sampler:
         if self.generator is None:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.cpu().double() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1.0:
+            probs = _nucleus(probs, self.params.top_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` kept on the most likely tokens whose total first reaches `top_p`
+    (the token that crosses it included), zero elsewhere."""
+    sorted_probs, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ahead of each
+    sorted_probs[before >= top_p] = 0.0
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
 def token_logprob(logits: torch.Tensor, token: int) -> float:

@@ -7,7 +7,7 @@ tool results run as one step, and a history that differs replaces the
 conversation's. Without `conversation_id` the request runs in a throw-away
 conversation whose KV stays in the tree (evictable) for prefix reuse.
 `logprobs` is honoured (each output token's, no alternatives); parameters this
-server cannot honour (`top_p`, `top_logprobs`, `tool_choice` other than auto,
+server cannot honour (`top_logprobs`, `tool_choice` other than auto,
 penalties, `logit_bias`, `response_format`, `stop`, `n` > 1) are refused with
 400 unless they hold their default; other unknown fields are ignored.
 """
@@ -43,6 +43,7 @@ class ChatRequest(BaseModel):
     max_tokens: Optional[int] = Field(default=None, ge=0)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
     temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Optional[int] = None
     stream: bool = False
     logprobs: bool = False
@@ -85,7 +86,6 @@ def _refuse_unsupported(body: "ChatRequest") -> None:
     default: refused with 400 rather than ignored. Raises InvalidRequest."""
     extra = body.model_extra or {}
     fine = {
-        "top_p": lambda v: v is None or v == 1,
         "top_logprobs": lambda v: v is None or v == 0,
         "tool_choice": lambda v: v in (None, "auto") or (v == "none" and not body.tools),
         "presence_penalty": lambda v: v in (None, 0),
@@ -176,7 +176,7 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
             undo()
             raise
         options = {"max_tokens": max_tokens,
-                   "temperature": body.temperature, "seed": body.seed, "logprobs": body.logprobs}
+                   "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "logprobs": body.logprobs}
         model = runtime.model_id
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
 

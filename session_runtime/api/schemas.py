@@ -38,6 +38,7 @@ class StepOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_tokens: Optional[int] = Field(default=None, ge=0)  # None: 64, or the server's limit if lower
     temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Optional[int] = None
     logprobs: bool = False
     forced: Optional[Forced] = None
@@ -45,7 +46,7 @@ class StepOptions(BaseModel):
 
     def options(self) -> dict:
         return {
-            "max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed,
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
             "logprobs": self.logprobs, "forced": self.forced.model_dump() if self.forced else None,
         }
 

@@ -392,7 +392,7 @@ def test_logprobs_are_honoured(oai, client, rt):
 
 def test_unsupported_parameters_are_400_unless_default(oai):
     messages = [sys("[unsupported-params] Options."), user("Hi")]
-    for name, value in (("top_p", 0.5), ("top_logprobs", 2), ("tool_choice", "required"),
+    for name, value in (("top_logprobs", 2), ("tool_choice", "required"),
                         ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"42": 5}),
                         ("response_format", {"type": "json_object"})):
         with pytest.raises(openai.BadRequestError) as e:
@@ -424,3 +424,16 @@ def test_a_stream_whose_client_disconnects_is_cancelled_and_leaves_nothing(live,
         time.sleep(0.02)
     assert client.get("/v1/conversations/oai-disconnect").status_code == 404
     rt.check_integrity()
+
+
+def test_top_p_is_honoured(oai):
+    """A tiny top_p keeps only the most likely token: sampling at a high
+    temperature then gives the greedy tokens; top_p 1 does not."""
+    messages = [sys("[top-p] Sampling."), user("Tell me something")]
+    greedy = chat(oai, messages, max_tokens=8, temperature=0).choices[0].message
+    nucleus = chat(oai, messages, max_tokens=8, temperature=5.0, top_p=1e-6, seed=1).choices[0].message
+    wide = chat(oai, messages, max_tokens=8, temperature=5.0, top_p=1.0, seed=1).choices[0].message
+    assert (nucleus.reasoning_content, nucleus.content) == (greedy.reasoning_content, greedy.content)
+    assert (wide.reasoning_content, wide.content) != (greedy.reasoning_content, greedy.content)
+    with pytest.raises(openai.BadRequestError):
+        chat(oai, messages, max_tokens=1, top_p=0)

@@ -102,3 +102,14 @@ def test_the_tokenizer_memo_is_bounded_by_bytes_not_entries():
     for i in range(2000):
         tok.encode_text(f"small text {i}")
     assert len(memo) >= 2000 and memo.bytes <= memo.max_bytes
+
+
+def test_nucleus_keeps_the_fewest_tokens_that_reach_top_p():
+    import torch
+
+    from session_runtime.sampling import _nucleus
+
+    probs = torch.tensor([0.1, 0.5, 0.3, 0.1], dtype=torch.float64)
+    assert _nucleus(probs.clone(), 0.5).tolist() == [0.0, 0.5, 0.0, 0.0]
+    assert _nucleus(probs.clone(), 0.6).tolist() == [0.0, 0.5, 0.3, 0.0]  # the token that crosses is in
+    assert _nucleus(probs.clone(), 1.0).tolist() == probs.tolist()

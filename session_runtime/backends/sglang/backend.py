@@ -154,7 +154,7 @@ class SGLangBackend(Backend):
 
     def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]]) -> dict:
         sp = req.sampling
-        params: dict = {"temperature": sp.temperature, "stop_token_ids": sorted(sp.stop_token_ids)}
+        params: dict = {"temperature": sp.temperature, "top_p": sp.top_p, "stop_token_ids": sorted(sp.stop_token_ids)}
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed % 2**31
         body: dict = {
