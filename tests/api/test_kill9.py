@@ -1,0 +1,88 @@
+"""`kill -9` of a loaded `session-runtime serve`, then a restart on the same
+data folder: every step the server acknowledged (HTTP 200) is there, each
+conversation's record is whole, and the conversations go on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(data_dir, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "session_runtime.cli", "serve", "--port", str(port),
+                             "--data-dir", str(data_dir), "--max-context", "2048", "--pool-tokens", "16384",
+                             "--no-access-log"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if "listening on" in line:
+            return proc
+    raise AssertionError("the server did not start")
+
+
+def test_kill_9_under_load_loses_no_acknowledged_step(tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(tmp_path, port)
+    acked: dict[str, list[str]] = {}  # conversation -> user messages of acknowledged steps
+    stop = threading.Event()
+    try:
+        cids = [httpx.post(f"{url}/v1/conversations", json={"system": f"Load {i}."}).json()["id"] for i in range(4)]
+
+        def load(cid: str) -> None:
+            acked[cid] = []
+            with httpx.Client(base_url=url, timeout=30) as c:
+                k = 0
+                while not stop.is_set():
+                    text = f"message {k}"
+                    try:
+                        r = c.post(f"/v1/conversations/{cid}/messages",
+                                   json={"content": text, "forced": {"content": f"answer {k}"}})
+                    except httpx.HTTPError:
+                        return  # the server is gone: this step was never acknowledged
+                    if r.status_code == 200:
+                        acked[cid].append(text)
+                    k += 1
+
+        threads = [threading.Thread(target=load, args=(cid,)) for cid in cids]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while sum(len(v) for v in acked.values()) < 20:
+            assert time.monotonic() < deadline, "no load"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)  # mid-step, mid-write
+        proc.wait(10)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    proc = _serve(tmp_path, port)
+    try:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            for cid in cids:
+                d = c.get(f"/v1/conversations/{cid}").json()
+                users = [m["content"] for m in d["trace"] if m["role"] == "user"]
+                # Every acknowledged step is there, in order; at most one more (saved, then the kill before its answer).
+                assert users[: len(acked[cid])] == acked[cid] and len(users) - len(acked[cid]) <= 1, (cid, users)
+                assert len(d["turns"]) == len(users) and all(t["closed"] for t in d["turns"])  # whole records
+                r = c.post(f"/v1/conversations/{cid}/messages", json={"content": "after", "forced": {"content": "ok"}})
+                assert r.status_code == 200 and r.json()["turn"] == len(users)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
