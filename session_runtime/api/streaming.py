@@ -52,8 +52,7 @@ def sse_step(run: Callable[[Callable[[int], None], Cancellation], Step], tpl: Te
             events.put(("step", run(lambda tok: events.put(("token", tok)), cancel)))
         except RuntimeErrorBase as exc:
             events.put(("error", exc))
-        except Exception as exc:  # an engine bug: report it rather than hang the stream; its text goes to the log only
-            logging.getLogger("session_runtime").exception("internal error in a streamed step")
+        except Exception as exc:  # an engine bug: reported rather than hang the stream, logged where it is answered
             events.put(("error", exc))
 
     threading.Thread(target=worker, name="sse-step", daemon=True).start()
@@ -112,6 +111,8 @@ def _lines(events: queue.Queue, tpl: Template, fmt: Format, head: tuple,
         head = None
         if kind == "error":
             on_late_error()
+            if not isinstance(value, RuntimeErrorBase):  # its text goes to the log only
+                logging.getLogger("session_runtime").error("internal error in a streamed step", exc_info=value)
             value = ApiError.of(value) if isinstance(value, RuntimeErrorBase) else ApiError(500, "internal", "internal error")
         if kind == "token":
             ids.append(value)
