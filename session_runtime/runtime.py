@@ -23,7 +23,7 @@ from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.backends.base import Cancellation, StepRequest, StepResult, create_backend
-from session_runtime.errors import (BackendUnavailable, ShuttingDown, StorageUnavailable, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
+from session_runtime.errors import (BackendUnavailable, ContextTooLong, ShuttingDown, StorageUnavailable, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
 from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadManager, OffloadSettings
@@ -297,6 +297,7 @@ class Runtime(RuntimeInspection):
         if not isinstance(content, str) or not content.strip():
             raise InvalidRequest("message content must be a non-empty string")
         _utf8("content", content)
+        self._fits("content", content)
         with self._locked(conversation_id) as conv:
             if conv.protocol is not None:
                 pending = [c.id for c in conv.protocol.pending_calls]
@@ -333,6 +334,7 @@ class Runtime(RuntimeInspection):
                 if not isinstance(r, dict) or not isinstance(r.get("tool_call_id"), str) or not isinstance(r.get("content", ""), str):
                     raise InvalidRequest("each result must be {tool_call_id: str, content: str}")
                 _utf8("tool result", r.get("content", ""))
+                self._fits("tool result", r.get("content", ""))
                 by_id.setdefault(r["tool_call_id"], []).append(r.get("content", ""))
             pending = {c.id: c for c in conv.protocol.pending_calls}
             unknown = [i for i in by_id if i not in pending]
@@ -366,6 +368,15 @@ class Runtime(RuntimeInspection):
             raise InvalidRequest(f"max_tokens {requested} is over this server's limit of {limit} "
                                  "(--max-tokens-limit, at most the context)", param="max_tokens")
         return requested
+
+    def _fits(self, name: str, text: str) -> None:
+        """Refuse (413) text too long for the context however it tokenizes, before
+        tokenizing it: a huge input costs no tokenizer time or memory."""
+        limit = self.config.max_context * self.tokenizer.max_token_bytes
+        if len(text) > limit // 4 and len(text.encode("utf-8")) > limit:  # 4: the most bytes of one character
+            raise ContextTooLong(f"{name} of {len(text.encode('utf-8'))} bytes cannot fit the context of "
+                                 f"{self.config.max_context} tokens (a token covers at most "
+                                 f"{self.tokenizer.max_token_bytes} bytes); it was not tokenized")
 
     def _sampling(self, conv, max_tokens, temperature, seed, logprobs, top_p: float = 1.0) -> SamplingParams:
         return SamplingParams(

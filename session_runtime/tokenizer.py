@@ -36,6 +36,12 @@ class Tokenizer:
             memo = BytesLRU(64 << 20, _entry_bytes)
             object.__setattr__(self, name, functools.partial(_memo_encode, memo, tok))
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers (its longest
+        vocabulary entry): text of more bytes than context x this cannot fit."""
+        return max(len(t.encode("utf-8")) for t in (*self.inner.get_vocab(), *self.added))
+
     def encode(self, text: str) -> list[int]:
         """Ids of template text: added tokens written in it (<think>, ...) match."""
         return list(self._encode(text))

@@ -113,3 +113,21 @@ def test_nucleus_keeps_the_fewest_tokens_that_reach_top_p():
     assert _nucleus(probs.clone(), 0.5).tolist() == [0.0, 0.5, 0.0, 0.0]
     assert _nucleus(probs.clone(), 0.6).tolist() == [0.0, 0.5, 0.3, 0.0]  # the token that crosses is in
     assert _nucleus(probs.clone(), 1.0).tolist() == probs.tolist()
+
+
+def test_text_too_long_for_any_tokenization_is_refused_untokenized(rt):
+    """More bytes than context x the longest token: 413 at once, no tokenizer work."""
+    from session_runtime.errors import ContextTooLong
+
+    cid = rt.create_conversation()
+    limit = rt.config.max_context * rt.tokenizer.max_token_bytes
+    calls = []
+    real = rt.tokenizer.plain.encode
+    object.__setattr__(rt.tokenizer, "plain", type("Spy", (), {"encode": lambda self, *a, **k: calls.append(a) or
+                                                               real(*a, **k)})())
+    try:
+        with pytest.raises(ContextTooLong, match="it was not tokenized"):
+            rt.send_message(cid, "x" * (limit + 1))
+    finally:
+        object.__setattr__(rt.tokenizer, "plain", real.__self__)
+    assert calls == [] and rt.get(cid).turns == []
