@@ -285,6 +285,7 @@ class Runtime(RuntimeInspection):
         on_token: Optional[Callable[[int], None]] = None,
         cancel: Optional[Cancellation] = None,
         top_p: float = 1.0,
+        top_logprobs: int = 0,
     ) -> Step:
         """Open a turn with a user message and run its first step (at most
         `max_tokens`: None is 64, or the server's limit if lower).
@@ -304,8 +305,8 @@ class Runtime(RuntimeInspection):
                 raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}")
             turn = len(conv.turns)
             return self._step(conv, [Message("user", turn, content)], turn,
-                              self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p), forced, on_token,
-                              cancel)
+                              self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs),
+                              forced, on_token, cancel)
 
     def send_tool_results(
         self,
@@ -320,6 +321,7 @@ class Runtime(RuntimeInspection):
         on_token: Optional[Callable[[int], None]] = None,
         cancel: Optional[Cancellation] = None,
         top_p: float = 1.0,
+        top_logprobs: int = 0,
     ) -> Step:
         """Answer every pending tool call of the open turn and run its next step.
 
@@ -346,7 +348,8 @@ class Runtime(RuntimeInspection):
                 raise InvalidRequest(f"results must answer every pending call; missing {missing}")
             turn = conv.protocol.turn
             msgs = [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
-            return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p),
+            return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p,
+                                                                 top_logprobs),
                               forced, on_token, cancel)
 
     @property
@@ -378,9 +381,14 @@ class Runtime(RuntimeInspection):
                                  f"{self.config.max_context} tokens (a token covers at most "
                                  f"{self.tokenizer.max_token_bytes} bytes); it was not tokenized")
 
-    def _sampling(self, conv, max_tokens, temperature, seed, logprobs, top_p: float = 1.0) -> SamplingParams:
+    def _sampling(self, conv, max_tokens, temperature, seed, logprobs, top_p: float = 1.0,
+                  top_logprobs: int = 0) -> SamplingParams:
+        if top_logprobs and self.backend.name != "embedded":
+            raise InvalidRequest(f"top_logprobs is not supported on the {self.backend.name} backend yet",
+                                 param="top_logprobs")
         return SamplingParams(
             max_tokens=self.max_tokens(max_tokens), temperature=temperature, seed=seed, top_p=top_p,
+            top_logprobs=top_logprobs,
             stop_token_ids=self.template(conv.template).stop_token_ids, logprobs=logprobs,
         )
 
@@ -528,6 +536,7 @@ class Runtime(RuntimeInspection):
             conversation_id=conv.id, turn=turn, step=step_index, reasoning=reasoning,
             content=parsed.content, tool_calls=[c.as_dict() for c in parsed.tool_calls],
             finish_reason=finish, output_ids=result.output, logprobs=result.logprobs, accounting=acc,
+            top_logprobs=result.top_logprobs,
         )
 
     def _close_turn(self, conv, tpl, ns, record: TurnRecord, generated: list[int], acc, parsed):

@@ -18,12 +18,17 @@ class SamplingParams:
     seed: Optional[int] = None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, and theirs
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise InvalidRequest(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not self.temperature >= 0.0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequest(f"top_logprobs must be 0 to 20, got {self.top_logprobs}", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs", param="top_logprobs")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
@@ -60,3 +65,9 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def token_logprob(logits: torch.Tensor, token: int) -> float:
     return float(torch.log_softmax(logits, dim=-1)[token])
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The `k` most likely tokens at a position and their logprobs, best first."""
+    values, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), k)
+    return [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -20,11 +20,13 @@ class Step:
     output_ids: list[int]
     logprobs: Optional[list[float]]
     accounting: StepAccounting
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per output token: (id, logprob), best first
 
     def as_dict(self) -> dict:
         return {
             "conversation_id": self.conversation_id, "turn": self.turn, "step": self.step,
             "reasoning": self.reasoning, "content": self.content, "tool_calls": self.tool_calls,
             "finish_reason": self.finish_reason, "logprobs": self.logprobs,
+            **({"top_logprobs": [[list(e) for e in row] for row in self.top_logprobs]} if self.top_logprobs else {}),
             "accounting": self.accounting.as_dict(),
         }

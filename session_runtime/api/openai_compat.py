@@ -6,8 +6,8 @@ history is checked against the conversation's, the trailing user message or
 tool results run as one step, and a history that differs replaces the
 conversation's. Without `conversation_id` the request runs in a throw-away
 conversation whose KV stays in the tree (evictable) for prefix reuse.
-`logprobs` is honoured (each output token's, no alternatives); parameters this
-server cannot honour (`top_logprobs`, `tool_choice` other than auto,
+`logprobs` and `top_logprobs` are honoured (top_logprobs on the embedded engine); parameters this
+server cannot honour (`tool_choice` other than auto,
 penalties, `logit_bias`, `response_format`, `stop`, `n` > 1) are refused with
 400 unless they hold their default; other unknown fields are ignored.
 """
@@ -47,6 +47,7 @@ class ChatRequest(BaseModel):
     seed: Optional[int] = None
     stream: bool = False
     logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     conversation_id: Optional[str] = None
     policy: Optional[str] = None
     n: int = Field(default=1, ge=1, le=1)  # one choice: a conversation has one chain
@@ -68,17 +69,20 @@ def _usage(step: Step) -> dict:
 
 
 def _logprobs(step: Step, decode: Callable[[list[int]], str]) -> Optional[dict]:
-    """OpenAI's `logprobs` of a choice: each output token, its text and logprob
-    (no alternatives: top_logprobs is refused). None when not asked for."""
+    """OpenAI's `logprobs` of a choice: each output token, its text, bytes and
+    logprob, and with `top_logprobs` the most likely tokens there. None when not
+    asked for."""
     if step.logprobs is None:
         return None
-    content = []
-    for tok, logprob in zip(step.output_ids, step.logprobs):
+
+    def entry(tok: int, logprob: float) -> dict:
         text = decode([tok])
         # A token inside a multi-byte character decodes to U+FFFD alone: no bytes of its own to show.
-        content.append({"token": text, "logprob": logprob, "top_logprobs": [],
-                        "bytes": None if "\ufffd" in text else list(text.encode("utf-8"))})
-    return {"content": content}
+        return {"token": text, "logprob": logprob, "bytes": None if "\ufffd" in text else list(text.encode("utf-8"))}
+
+    tops = step.top_logprobs or [[] for _ in step.output_ids]
+    return {"content": [{**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+                        for tok, lp, top in zip(step.output_ids, step.logprobs, tops)]}
 
 
 def _refuse_unsupported(body: "ChatRequest") -> None:
@@ -86,7 +90,6 @@ def _refuse_unsupported(body: "ChatRequest") -> None:
     default: refused with 400 rather than ignored. Raises InvalidRequest."""
     extra = body.model_extra or {}
     fine = {
-        "top_logprobs": lambda v: v is None or v == 0,
         "tool_choice": lambda v: v in (None, "auto") or (v == "none" and not body.tools),
         "presence_penalty": lambda v: v in (None, 0),
         "frequency_penalty": lambda v: v in (None, 0),
@@ -176,7 +179,8 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
             undo()
             raise
         options = {"max_tokens": max_tokens,
-                   "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "logprobs": body.logprobs}
+                   "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "logprobs": body.logprobs,
+                   "top_logprobs": body.top_logprobs or 0}
         model = runtime.model_id
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
 

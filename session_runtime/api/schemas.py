@@ -41,13 +41,14 @@ class StepOptions(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Optional[int] = None
     logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)  # with logprobs: the k most likely tokens at each position
     forced: Optional[Forced] = None
     stream: bool = False
 
     def options(self) -> dict:
         return {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-            "logprobs": self.logprobs, "forced": self.forced.model_dump() if self.forced else None,
+            "logprobs": self.logprobs, "top_logprobs": self.top_logprobs, "forced": self.forced.model_dump() if self.forced else None,
         }
 
 

@@ -73,6 +73,7 @@ class StepResult:
     accounting: StepAccounting
     timing: StepTiming
     logits: Optional[object] = None  # [computed positions, vocab] when return_logits (embedded)
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per output token: (id, logprob), best first
 
 
 class Backend(ABC):

@@ -392,7 +392,7 @@ def test_logprobs_are_honoured(oai, client, rt):
 
 def test_unsupported_parameters_are_400_unless_default(oai):
     messages = [sys("[unsupported-params] Options."), user("Hi")]
-    for name, value in (("top_logprobs", 2), ("tool_choice", "required"),
+    for name, value in (("tool_choice", "required"),
                         ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"42": 5}),
                         ("response_format", {"type": "json_object"})):
         with pytest.raises(openai.BadRequestError) as e:
@@ -437,3 +437,16 @@ def test_top_p_is_honoured(oai):
     assert (wide.reasoning_content, wide.content) != (greedy.reasoning_content, greedy.content)
     with pytest.raises(openai.BadRequestError):
         chat(oai, messages, max_tokens=1, top_p=0)
+
+
+def test_top_logprobs_are_the_most_likely_tokens_best_first(oai):
+    """Greedy: the chosen token is the first alternative, with the same logprob."""
+    r = chat(oai, [sys("[top-logprobs] Alternatives."), user("Hi")], max_tokens=5, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for tok in content:
+        tops = tok.top_logprobs
+        assert len(tops) == 3 and [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert (tops[0].token, tops[0].logprob) == (tok.token, pytest.approx(tok.logprob, abs=1e-5))
+    with pytest.raises(openai.BadRequestError):
+        chat(oai, [sys("[top-logprobs] Alternatives."), user("Hi")], max_tokens=1, top_logprobs=2)  # needs logprobs

@@ -28,7 +28,7 @@ from session_runtime.backends.embedded.engine_host import HostTierOps
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.metrics import Sample, counter, gauge
 from session_runtime.model.decoder import Decoder
-from session_runtime.sampling import Sampler, token_logprob
+from session_runtime.sampling import Sampler, token_logprob, top_logprobs
 
 
 class _SlotBuffer:
@@ -273,6 +273,7 @@ class Engine(HostTierOps, Backend):
 
         output: list[int] = []
         logprobs: list[float] = []
+        tops: list[list[tuple[int, float]]] = []  # sp.top_logprobs alternatives per output token
         if req.forced is not None:
             forced = list(req.forced)
             output = forced
@@ -284,6 +285,8 @@ class Engine(HostTierOps, Backend):
                     rows = torch.cat((logits[-1:], more[:-1]))
                     if sp.logprobs:
                         logprobs = [token_logprob(rows[i], tok) for i, tok in enumerate(forced)]
+                    if sp.top_logprobs:
+                        tops = [top_logprobs(rows[i], sp.top_logprobs) for i in range(len(forced))]
                     if req.return_logits:
                         kept_logits.append(more)
             self._sync()
@@ -303,6 +306,8 @@ class Engine(HostTierOps, Backend):
                 tok = sampler.sample(last)
                 if sp.logprobs:
                     logprobs.append(token_logprob(last, tok))
+                if sp.top_logprobs:
+                    tops.append(top_logprobs(last, sp.top_logprobs))
                 output.append(tok)
                 if req.on_token is not None:
                     req.on_token(tok)
@@ -358,6 +363,7 @@ class Engine(HostTierOps, Backend):
             accounting=accounting,
             timing=StepTiming(total_s * 1e3, model_s * 1e3, (total_s - model_s) * 1e3),
             logits=torch.cat(kept_logits) if kept_logits else None,
+            top_logprobs=tops if sp.top_logprobs else None,
         )
 
     def _commit(self, req: StepRequest, computed: list[int], buf: _SlotBuffer) -> int:
