@@ -62,3 +62,32 @@ def test_interleaved_steps_give_the_tokens_they_give_alone(rt):
         t.join(120)
     assert [together[i] for i in range(len(prompts))] == alone
     rt.check_integrity()
+
+
+def test_the_fair_lock_is_reentrant_hands_over_in_arrival_order_and_times_out():
+    import time
+
+    from session_runtime.backends.embedded.fairlock import FairRLock
+
+    lock, order = FairRLock(), []
+    lock.acquire()
+    lock.acquire()  # reentrant
+    waiters = []
+    for name in "abc":
+        t = threading.Thread(target=lambda n=name: (lock.acquire(), order.append(n), lock.release()))
+        t.start()
+        waiters.append(t)
+        while lock.waiting() < len(waiters):
+            time.sleep(0.001)
+    assert lock.acquire(timeout=0.01)  # the holder re-enters, whoever waits
+    lock.release()
+    got = []
+    other = threading.Thread(target=lambda: got.append(lock.acquire(timeout=0.05)))
+    other.start()
+    other.join()
+    assert got == [False] and lock.waiting() == 3  # a timed-out waiter leaves the queue
+    assert lock.yield_to_waiters() and order == ["a", "b", "c"]  # everyone queued went first, in order
+    lock.release()
+    lock.release()
+    for t in waiters:
+        t.join()
