@@ -76,3 +76,19 @@ def test_a_server_without_the_session_backend_is_refused():
             Runtime(RuntimeConfig(backend="sglang", sglang_url=url, data_dir=None), background=False)
     finally:
         server.shutdown()
+
+
+def test_launched_servers_sharing_a_cpu_get_their_share_of_threads():
+    """Several launched servers on one CPU each get OMP_NUM_THREADS = their share
+    of the cores (all of them on every core decoded 9x slower); the environment's
+    own setting wins; GPUs and a single server are left alone."""
+    from session_runtime.backends.sglang.launcher import LaunchSpec, launch_env
+
+    spec = LaunchSpec(model_path="m", page_size=16, max_total_tokens=64, dtype="float32", device="cpu",
+                      context_length=64, threads=1)
+    assert launch_env(spec, {})["OMP_NUM_THREADS"] == "1"
+    assert launch_env(spec, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+    from dataclasses import replace
+
+    assert "OMP_NUM_THREADS" not in launch_env(replace(spec, threads=None), {})
+    assert "OMP_NUM_THREADS" not in launch_env(replace(spec, device="cuda"), {})

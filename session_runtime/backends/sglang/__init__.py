@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
+from typing import Optional
 from urllib.parse import urlparse
 
 import httpx
@@ -75,8 +77,9 @@ def build(config, tokenizer):
 
     workers: dict[str, SGLangBackend] = {}
     try:
+        share = max(1, (os.cpu_count() or 1) // launched) if launched > 1 else None  # cores per launched server
         for i, url in enumerate([*urls, *[None] * launched]):
-            workers[f"w{i}"] = _worker(config, tokenizer, url, i)
+            workers[f"w{i}"] = _worker(config, tokenizer, url, i, share)
         return WorkerPool(workers, epsilon=config.placement_epsilon)
     except BaseException:
         for w in workers.values():
@@ -84,7 +87,7 @@ def build(config, tokenizer):
         raise
 
 
-def _worker(config, tokenizer, url, index: int) -> SGLangBackend:
+def _worker(config, tokenizer, url, index: int, threads: Optional[int] = None) -> SGLangBackend:
     """Connect to `url`, or launch a server (its log sglang-INDEX.log beside the store)."""
     server = None
     if url is not None:
@@ -97,7 +100,7 @@ def _worker(config, tokenizer, url, index: int) -> SGLangBackend:
             model_path=str(folder), page_size=config.page_size, max_total_tokens=config.pool_tokens,
             dtype=config.dtype, device=config.device, context_length=config.max_context,
             max_running_requests=config.sglang_max_running, seed=config.seed, extra_args=tuple(config.sglang_args),
-            log_path=str(Path(config.data_dir) / log) if config.data_dir else None,
+            log_path=str(Path(config.data_dir) / log) if config.data_dir else None, threads=threads,
         )
         try:
             server = launch(spec, _ready)
