@@ -149,9 +149,10 @@ class HFTemplate:
                 prompt = self.official.render(dicts[:a], tools, True)
                 assert prompt.text.startswith(before.text), "generation prompt is not an append"
                 add("generation_prompt", self.official.encode(prompt, len(before.text)))
-                ids, carry = self._generated(group[0].output_ids, self.official.render(dicts[:b], tools, False))
+                after = self.official.render(dicts[:b], tools, False)
+                ids, carry, end = self._generated(group[0].output_ids, after)
                 out.add("output", ids)
-                out.add("eos", [] if carry is not None else self._end_ids(self.official.render(dicts[:b], tools, False)))
+                out.add("eos", end)
                 continue
             add(_KIND[role], self._appended(dicts[:a], dicts[:b], tools, _KIND[role]))
             carry = None
@@ -235,18 +236,18 @@ class HFTemplate:
         """Whitespace the template writes after an end-of-message token ("\\n" in ChatML)."""
         return rest[: len(rest) - len(rest.lstrip("\n"))]
 
-    def _generated(self, output_ids: Sequence[int], rendered: RenderedText) -> tuple[list[int], Optional[int]]:
-        """A kept assistant message's ids as generated, and the carry: the stop token
-        it ended with, kept when the template writes no end of its own for the
-        message (GLM: the model stops at the next header, `<|observation|>` or
-        `<|user|>`, which opens the next message); else the stop token goes and
-        the template's end follows."""
-        ids = list(output_ids)
+    def _generated(self, output_ids: Sequence[int], rendered: RenderedText) -> tuple[list[int], Optional[int], list[int]]:
+        """A kept assistant message's ids as generated, the carry and the end ids.
+        The stop token it ended with is kept as the carry when the template writes
+        no end of its own for the message (GLM: the model stops at the next header,
+        `<|observation|>` or `<|user|>`, which opens the next message); else the
+        stop token goes and the template's end follows."""
+        ids, end = list(output_ids), self._end_ids(rendered)
         if not ids or ids[-1] not in self._stops:
-            return ids, None
-        if self._end_ids(rendered):
-            return ids[:-1], None
-        return ids, ids[-1]
+            return ids, None, end
+        if end:
+            return ids[:-1], None, end
+        return ids, ids[-1], []
 
     def _end_ids(self, rendered: RenderedText) -> list[int]:
         """The end the template writes after the last message: from its last

@@ -199,3 +199,22 @@ def first_prompt_len(rt, system: Optional[str], content: str) -> int:
     """bos + system + <User> content <Assistant> + <think>."""
     enc = rt.tokenizer.encode
     return 1 + (len(enc(system)) if system else 0) + 1 + len(enc(content)) + 1 + 1
+
+
+def serve_cli(data_dir, *flags: str):
+    """`session-runtime serve` in its own process on a free loopback port, once it
+    says it listens; returns (process, url)."""
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "session_runtime.cli", "serve", "--port", str(port),
+                             "--data-dir", str(data_dir), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if "listening on" in line:
+            return proc, f"http://127.0.0.1:{port}"
+    raise AssertionError("the server did not start")

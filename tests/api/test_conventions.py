@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.api.conftest import create, error_of, openai_error_of, sse_events
+from tests.api.conftest import create, error_of, openai_error_of
 
 
 def test_models_and_version(client, live):

@@ -4,38 +4,20 @@ conversation's record is whole, and the conversations go on."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.api.conftest import serve_cli
 
 
-def _serve(data_dir, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "session_runtime.cli", "serve", "--port", str(port),
-                             "--data-dir", str(data_dir), "--max-context", "2048", "--pool-tokens", "16384",
-                             "--no-access-log"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in proc.stdout:
-        if "listening on" in line:
-            return proc
-    raise AssertionError("the server did not start")
+FLAGS = ("--max-context", "2048", "--pool-tokens", "16384", "--no-access-log")
 
 
 def test_kill_9_under_load_loses_no_acknowledged_step(tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = _serve(tmp_path, port)
+    proc, url = serve_cli(tmp_path, *FLAGS)
     acked: dict[str, list[str]] = {}  # conversation -> user messages of acknowledged steps
     stop = threading.Event()
     try:
@@ -72,7 +54,7 @@ def test_kill_9_under_load_loses_no_acknowledged_step(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    proc = _serve(tmp_path, port)
+    proc, url = serve_cli(tmp_path, *FLAGS)  # another port: the address is only the client's concern
     try:
         with httpx.Client(base_url=url, timeout=30) as c:
             for cid in cids:

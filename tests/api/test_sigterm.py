@@ -3,36 +3,18 @@ generation: the step in flight fails with 503 and changes nothing."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.api.conftest import serve_cli
 
 
 def test_sigterm_during_a_long_generation_exits_within_seconds(tmp_path):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "session_runtime.cli", "serve", "--port", str(port),
-                             "--data-dir", str(tmp_path), "--max-context", "4096", "--pool-tokens", "8192"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = serve_cli(tmp_path, "--max-context", "4096", "--pool-tokens", "8192")
     try:
-        for line in proc.stdout:
-            if "listening on" in line:
-                break
-        else:
-            raise AssertionError("the server did not start")
-        url = f"http://127.0.0.1:{port}"
         cid = httpx.post(f"{url}/v1/conversations", json={"system": "Long."}).json()["id"]
         answer = {}
 
