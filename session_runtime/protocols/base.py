@@ -1,0 +1,214 @@
+"""The protocol adapter contract, its typed results, and helpers every adapter uses."""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from session_runtime.protocols.canonical import ChatRequest, Msg, Reasoning, Reply
+
+PASSTHROUGH_ENV = "SESSION_RUNTIME_REASONING_PASSTHROUGH"
+
+
+class ProtocolInputError(ValueError):
+    """A body the protocol cannot read. `path` names the JSON field at fault
+    (`messages[3].tool_calls[0].function.arguments`)."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ProtocolError:
+    """A refusal in the provider's own shape: its status, its body and our
+    stable name for it (`deepseek.reasoning_content_missing`)."""
+
+    status: int
+    body: dict
+    name: str
+
+
+@dataclass(frozen=True)
+class StripOptions:
+    """How the outbound stripper treats historical reasoning.
+
+    passthrough: send everything as received (the escape hatch).
+    keep_tool_turns: keep the reasoning of completed turns that made tool calls
+        (DeepSeek's documented rule; Anthropic: their thinking blocks).
+    context: Responses' `reasoning.context`; "all_turns" keeps every turn's
+        reasoning (Anthropic: keep every turn's thinking too).
+    rewrite_nudge: DeepSeek; trailing system messages after a final assistant
+        go out as `user`, which makes the request's shape lenient.
+    """
+
+    passthrough: bool = False
+    keep_tool_turns: bool = False
+    context: Optional[str] = None
+    rewrite_nudge: bool = True
+
+
+@dataclass(frozen=True)
+class StripResult:
+    """A stripped copy of a request and what was taken out of it.
+
+    mode: "passthrough" (sent as received by request), "strict" (sent as
+    received because the shape demands every reasoning block) or "lenient"
+    (historical reasoning stripped). `stripped_indexes` are indexes into
+    `request.messages`; `stripped_texts` holds, per stripped message, the text
+    of the reasoning it lost (tokens are the caller's to count);
+    `stripped_bytes` is their UTF-8 size and `stripped_opaque_bytes` the size
+    of the continuation state dropped with them (signatures, encrypted
+    content) as compact JSON.
+    """
+
+    request: ChatRequest
+    mode: str
+    stripped_indexes: tuple[int, ...] = ()
+    stripped_texts: tuple[str, ...] = ()
+    stripped_bytes: int = 0
+    stripped_opaque_bytes: int = 0
+    nudge_rewritten: bool = False
+    rewritten_indexes: tuple[int, ...] = ()
+
+
+def strip_result(request: ChatRequest, removed: Mapping[int, tuple[Reasoning, ...]],
+                 rewritten: tuple[int, ...] = ()) -> StripResult:
+    """The lenient-mode result for `request` (already stripped) and the blocks
+    taken out of each message index."""
+    indexes = tuple(sorted(removed))
+    texts = tuple("\n\n".join(r.text for r in removed[i] if r.text) for i in indexes)
+    opaque = sum(len(compact(r.opaque).encode("utf-8")) for i in indexes for r in removed[i] if r.opaque is not None)
+    return StripResult(request=request, mode="lenient", stripped_indexes=indexes, stripped_texts=texts,
+                       stripped_bytes=sum(len(t.encode("utf-8")) for t in texts), stripped_opaque_bytes=opaque,
+                       nudge_rewritten=bool(rewritten), rewritten_indexes=rewritten)
+
+
+def passthrough_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when $SESSION_RUNTIME_REASONING_PASSTHROUGH is "1"."""
+    return (os.environ if environ is None else environ).get(PASSTHROUGH_ENV) == "1"
+
+
+class ChatProtocol(ABC):
+    """One provider protocol. Every method is pure: bodies and requests given
+    are never changed, and what is returned shares no mutable state with them."""
+
+    name: str
+
+    @abstractmethod
+    def parse_request(self, body: dict) -> ChatRequest:
+        """The canonical request of a request body. Raises ProtocolInputError
+        naming the field of a body of the wrong shape."""
+
+    @abstractmethod
+    def render_request(self, req: ChatRequest) -> dict:
+        """The request body; `render_request(parse_request(b)) == b`."""
+
+    @abstractmethod
+    def parse_response(self, body: dict) -> Reply:
+        """The reply of a non-streaming response body. Raises ProtocolInputError."""
+
+    @abstractmethod
+    def render_response(self, reply: Reply, model: str) -> dict:
+        """A non-streaming response body answering as `model`."""
+
+    @abstractmethod
+    def strip(self, req: ChatRequest, options: StripOptions) -> StripResult:
+        """A copy of `req` with historical reasoning removed by the protocol's
+        outbound rules, and the report of what was removed."""
+
+    @abstractmethod
+    def validate(self, body: dict) -> Optional[ProtocolError]:
+        """The provider's refusal of `body`, where its rules are known, else None."""
+
+    @abstractmethod
+    def known_error(self, status: int, body: dict) -> Optional[str]:
+        """Our name for a provider error this protocol documents, else None."""
+
+
+# -- helpers ---------------------------------------------------------------
+
+
+def clone(value: Any) -> Any:
+    """A copy of a JSON value sharing no list or dict with it."""
+    if isinstance(value, dict):
+        return {k: clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clone(v) for v in value]
+    return value
+
+
+def compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def arrange(values: dict, layout: tuple[str, ...]) -> dict:
+    """`values` with the keys named in `layout` first, in that order, then the rest."""
+    out = {k: values[k] for k in layout if k in values}
+    out.update((k, v) for k, v in values.items() if k not in out)
+    return out
+
+
+def expect_object(value: Any, path: str) -> dict:
+    if not isinstance(value, dict):
+        raise ProtocolInputError(path, f"expected an object, got {type_name(value)}")
+    return value
+
+
+def expect_list(value: Any, path: str) -> list:
+    if not isinstance(value, list):
+        raise ProtocolInputError(path, f"expected an array, got {type_name(value)}")
+    return value
+
+
+def expect_str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolInputError(path, f"expected a string, got {type_name(value)}")
+    return value
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def type_name(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def dig(value: Any, *keys: str) -> Any:
+    """value[k1][k2]... or None where a level is missing or not an object."""
+    for key in keys:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def error_message(body: Any) -> str:
+    """The error text of a provider's error body of any shape, else ""."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(body.get("message"), str):
+            return body["message"]
+    return body if isinstance(body, str) else ""
+
+
+def openai_error(status: int, name: str, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None) -> ProtocolError:
+    """An error in OpenAI's body shape (DeepSeek's too)."""
+    return ProtocolError(status, {"error": {"message": message, "type": "invalid_request_error",
+                                            "param": param, "code": code}}, name)
+
+
+def last_index(messages: tuple[Msg, ...], role: str) -> int:
+    """The index of the last message of `role`, -1 if none."""
+    return next((i for i in range(len(messages) - 1, -1, -1) if messages[i].role == role), -1)
