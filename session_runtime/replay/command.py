@@ -9,9 +9,10 @@ from pathlib import Path
 from session_runtime.policies import MATERIALIZE_MODES, POLICIES
 
 
-from session_runtime.replay.trace import TraceError, load_trace
-from session_runtime.replay.run import COMPARE, ReplayError, RunSpec, parse_run_spec, replay
-from session_runtime.replay.report import LEGEND, Progress, describe_run, totals_table
+from session_runtime.replay.batch import aggregate, describe_aggregate, describe_trace, load_traces, replay_all, trace_line
+from session_runtime.replay.formats import FORMATS, collect_paths
+from session_runtime.replay.run import COMPARE, ReplayError, RunSpec, parse_run_spec
+from session_runtime.replay.report import LEGEND, Progress
 
 
 # ----- the CLI command ---------------------------------------------------------------------
@@ -22,7 +23,11 @@ def add_arguments(parser) -> None:
     from session_runtime.config import PRESETS, RuntimeConfig
 
     d = RuntimeConfig()
-    parser.add_argument("trace", help="JSONL trace (see examples/TRACE_FORMAT.md)")
+    parser.add_argument("traces", nargs="+", metavar="TRACE",
+                        help="trace files, folders (every .json/.jsonl file in one) or globs; "
+                             "formats in examples/TRACE_FORMAT.md")
+    parser.add_argument("--format", default="auto", choices=("auto", *FORMATS),
+                        help="the traces' format (default: detected per file)")
     parser.add_argument("--policy", action="append", default=None, metavar="POLICY[:MATERIALIZE]",
                         help=f"policy to replay under; repeat to compare ({', '.join(POLICIES)}); "
                              "a suffix such as drop:never sets that run's materialize mode (default: drop)")
@@ -57,19 +62,20 @@ def run_specs(args) -> list[RunSpec]:
 
 
 def run_command(args, out=None, err=None) -> int:
-    """`session-runtime replay`: validate the trace, then build the Runtime (slow)."""
+    """`session-runtime replay`: validate every trace, then build the Runtime (slow) once."""
     out, err = out or sys.stdout, err or sys.stderr
     if args.keep_last_k < 0:
         print("session-runtime replay: --keep-last-k must be >= 0", file=err)
         return 2
     try:
         specs = run_specs(args)
-        trace = load_trace(args.trace)
-    except TraceError as exc:
-        print(f"session-runtime replay: {args.trace}: {exc}", file=err)
-        return 2
+        traces, errors = load_traces(collect_paths(args.traces), args.format)
     except (OSError, ValueError) as exc:
         print(f"session-runtime replay: {exc}", file=err)
+        return 2
+    for e in errors:
+        print(f"session-runtime replay: {e}", file=err)
+    if errors:
         return 2
 
     from session_runtime.config import RuntimeConfig
@@ -82,8 +88,8 @@ def run_command(args, out=None, err=None) -> int:
     except ValueError as exc:
         print(f"session-runtime replay: {exc}", file=err)
         return 2
-    print(f"session-runtime replay: {trace.source}: {len(trace.turns)} turns, {trace.n_steps} steps, "
-          f"{trace.n_tool_calls} tool calls; loading {config.model} ...", file=err, flush=True)
+    what = trace_line(traces[0]) if len(traces) == 1 else f"{len(traces)} traces"
+    print(f"session-runtime replay: {what}; loading {config.model} ...", file=err, flush=True)
     import warnings
 
     warnings.filterwarnings("ignore", module="sglang")
@@ -96,11 +102,8 @@ def run_command(args, out=None, err=None) -> int:
         print(f"session-runtime replay: {exc}", file=err)
         return 2
     try:
-        progress = Progress(trace.n_steps * len(specs), enabled=not args.no_progress, stream=err)
-        results = []
-        for spec in specs:
-            progress.set(spec.label)
-            results.append(replay(rt, trace, spec, on_step=progress.update))
+        progress = Progress(sum(t.n_steps for t in traces) * len(specs), enabled=not args.no_progress, stream=err)
+        runs = replay_all(rt, traces, specs, on_run=progress.set, on_step=progress.update)
         progress.close()
         progress = None
     except (RuntimeErrorBase, ReplayError) as exc:
@@ -112,19 +115,26 @@ def run_command(args, out=None, err=None) -> int:
         rt.close()
     config = rt.config  # with the template resolved (auto -> deepseek or qwen3)
 
-    print(f"trace {trace.source}: {len(trace.turns)} turns, {trace.n_steps} steps, {trace.n_tool_calls} tool "
-          f"calls; model {config.model}, template {config.template}, page size {config.page_size}", file=out)
-    for r in results:
-        print("", file=out)
-        print(describe_run(r), file=out)
-    if len(results) > 1:
-        print("\n== totals ==", file=out)
-        print(totals_table(results), file=out)
+    setup = f"model {config.model}, template {config.template}, page size {config.page_size}"
+    print("\n\n".join(describe_trace(tr, setup) for tr in runs), file=out)
+    if len(runs) > 1:
+        print("\n" + describe_aggregate(runs), file=out)
     print("\n" + LEGEND, file=out)
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "trace": trace.source, "model": config.model, "template": config.template,
-            "page_size": config.page_size, "runs": [r.as_dict() for r in results],
-        }, indent=1))
+        Path(args.json).write_text(json.dumps(json_report(runs, config), indent=1))
         print(f"wrote {args.json}", file=out)
     return 0
+
+
+def json_report(runs, config) -> dict:
+    """Every trace's runs and the per-policy sums; with one trace, its `trace`
+    and `runs` at the top level too (the one-trace shape of before)."""
+    report = {
+        "model": config.model, "template": config.template, "page_size": config.page_size,
+        "traces": [{"trace": tr.trace.source, "format": tr.trace.format, "notes": list(tr.trace.notes),
+                    "runs": [r.as_dict() for r in tr.results]} for tr in runs],
+        "aggregate": [a.as_dict() for a in aggregate(runs)],
+    }
+    if len(runs) == 1:
+        report.update(trace=runs[0].trace.source, runs=report["traces"][0]["runs"])
+    return report

@@ -164,7 +164,7 @@ def replay(
                     step = rt.send_tool_results(
                         cid, [{"tool_call_id": i, "content": r} for i, r in zip(ids, ts.results)], forced=ts.forced)
                 if len(step.tool_calls) != len(ts.tool_calls):
-                    raise ReplayError(f"line {ts.line}: {len(ts.tool_calls)} forced tool call(s) parsed back as "
+                    raise ReplayError(f"{ts.where}: {len(ts.tool_calls)} forced tool call(s) parsed back as "
                                       f"{len(step.tool_calls)} by the {rt.get(cid).template} template")
                 steps.append(step.accounting)
                 prev = step
