@@ -10,9 +10,9 @@ from typing import Optional
 @dataclass(frozen=True)
 class StepAccounting:
     prompt_tokens: int
-    cached_input_tokens: int  # prompt tokens whose device KV was reused
+    cached_input_tokens: Optional[int]  # prompt tokens whose KV was reused (upstream: as the provider says, None if not)
     host_loaded_tokens: int  # reused by reload from the host tier
-    uncached_prefill_tokens: int  # prompt tokens computed in this step's prefill
+    uncached_prefill_tokens: Optional[int]  # prompt tokens computed in this step's prefill (None: not known)
     logical_reusable_tokens: int  # exact common prefix with held sequences, unaligned
     alignment_loss_tokens: int  # logical reusable minus physically reused
     recomputed_history_tokens: int  # prefill spent on tokens before the new message
@@ -28,6 +28,9 @@ class StepAccounting:
     # on the tree as it was before the step.
     cache_state: Optional[str] = None  # none, prefix_only, generated_branch, canonical_branch
     counterfactual: Optional[dict] = None  # {keep: {...}, drop: {...}}
+    # Upstream proxy mode: the provider's usage, and what the outbound stripper
+    # did (tokens and bytes stripped, the reasoning share of the request).
+    upstream: Optional[dict] = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,5 +1,6 @@
 """`session-runtime serve`: the HTTP server over a backend (the embedded
-engine by default, or SGLang's server with `--backend sglang`);
+engine by default, SGLang's server with `--backend sglang`, or a provider's
+API with `--upstream URL`);
 `session-runtime replay`: a recorded trace through the embedded runtime."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import time
 import warnings
 
 from session_runtime.api.settings import ApiSettings, allowed_hosts, is_loopback, load_credentials
-from session_runtime.config import ATTENTION_BACKENDS, PRESETS, RuntimeConfig
+from session_runtime.config import ATTENTION_BACKENDS, PRESETS, UPSTREAM_PROTOCOLS, RuntimeConfig
+from session_runtime.protocols.base import PASSTHROUGH_ENV, passthrough_from_env
 
 _DEFAULTS = RuntimeConfig()
 _API_DEFAULTS = ApiSettings()
@@ -24,9 +26,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the session HTTP API", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("--backend", default=_DEFAULTS.backend, choices=["embedded", "sglang"],
+    serve.add_argument("--backend", default=_DEFAULTS.backend, choices=["embedded", "sglang", "upstream"],
                        help="embedded: our engine in this process, one step at a time; sglang: SGLang's own "
                             "server (batched), launched from these model flags or given by --sglang-url")
+    serve.add_argument("--upstream", default=None, metavar="URL",
+                       help="upstream proxy mode: a provider's API answers each step instead of a local "
+                            "engine; URL is its SDK's base_url (https://api.deepseek.com/v1; Anthropic's without /v1)")
+    serve.add_argument("--upstream-protocol", default=_DEFAULTS.upstream_protocol, choices=UPSTREAM_PROTOCOLS,
+                       help="the protocol --upstream speaks")
+    serve.add_argument("--upstream-key", default=None, metavar="KEY",
+                       help="the provider's API key (default: $SESSION_RUNTIME_UPSTREAM_KEY, else the protocol's "
+                            "usual variable: DEEPSEEK_API_KEY, OPENAI_API_KEY or ANTHROPIC_API_KEY)")
+    serve.add_argument("--upstream-model", default=None, metavar="NAME",
+                       help="the model name sent upstream (default: the request's, else --model-id/--model)")
+    serve.add_argument("--upstream-param", action="append", default=[], metavar="NAME=JSON",
+                       help="a top-level field for each conversation step's upstream request (repeatable), "
+                            "e.g. --upstream-param 'thinking={\"type\": \"enabled\"}'")
+    serve.add_argument("--upstream-timeout-s", type=float, default=_DEFAULTS.upstream_timeout_s, metavar="S",
+                       help="how long one upstream request may take")
+    serve.add_argument("--reasoning-passthrough", action="store_true",
+                       help="the escape hatch: send every reasoning block upstream unstripped (also "
+                            f"{PASSTHROUGH_ENV}=1)")
+    serve.add_argument("--keep-tool-turn-reasoning", action="store_true",
+                       help="DeepSeek: keep completed tool-call turns' reasoning on the way out (the documented "
+                            "rule), for a provider that enforces it; by default it is stripped in lenient shapes")
+    serve.add_argument("--validate", default=None, choices=UPSTREAM_PROTOCOLS, metavar="PROTOCOL",
+                       help="check incoming requests as this provider's API does (deepseek, openai-chat, "
+                            "openai-responses, anthropic) before answering with the local engine: a "
+                            "validating upstream for tests and offline checks")
     serve.add_argument("--sglang-url", default=None,
                        help="with --backend sglang: running SGLang servers started with "
                             "--radix-cache-backend session, URL1,URL2,... (each a worker; default: launch one)")
@@ -125,7 +152,19 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(
         model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, max_tokens_limit=args.max_tokens_limit,
+    if args.upstream and args.backend == "sglang":
+        raise ValueError("--upstream answers steps with a provider's API: it does not go with --backend sglang")
+    if args.upstream and args.validate:
+        raise ValueError("--validate answers with the local engine: it does not go with --upstream")
+    upstream = bool(args.upstream) or args.backend == "upstream"
+    if upstream and not args.upstream:
+        raise ValueError("--backend upstream needs --upstream URL")
         seed=args.seed,
+        upstream_url=args.upstream, upstream_protocol=args.upstream_protocol, upstream_key=args.upstream_key,
+        upstream_model=args.upstream_model, upstream_timeout_s=args.upstream_timeout_s,
+        upstream_params=tuple(_param(p) for p in args.upstream_param),
+        reasoning_passthrough=args.reasoning_passthrough or passthrough_from_env(),
+        keep_tool_turn_reasoning=args.keep_tool_turn_reasoning,
         policy=args.policy, template=args.template, data_dir=args.data_dir or None,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend=args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
@@ -138,6 +177,14 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
 def _split_args(flags: list[str]) -> list[str]:
     """`--sglang-arg=--x=1` and `--sglang-arg='--x 1'` both give SGLang `--x 1`."""
     out: list[str] = []
+def _param(text: str) -> tuple[str, str]:
+    """`NAME=JSON` of --upstream-param. Raises ValueError."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--upstream-param {text!r}: expected NAME=JSON")
+    return name.strip(), value
+
+
     for flag in flags:
         for part in flag.split():
             out.extend(part.split("=", 1) if part.startswith("--") and "=" in part else [part])
@@ -177,7 +224,7 @@ def api_settings_from_args(args: argparse.Namespace) -> ApiSettings:
         raise ValueError(f"--host {args.host} serves other machines, and no API key is set: anyone who reaches "
                          "it could read and change every conversation. Give --api-key KEY (or --api-keys "
                          "FILE), or --insecure to serve it open anyway")
-    return ApiSettings(credentials=credentials, metrics_admin_only=args.metrics_admin_only,
+    return ApiSettings(credentials=credentials, metrics_admin_only=args.metrics_admin_only, validate=args.validate,
                        max_body_bytes=args.max_body_bytes, allowed_hosts=allowed_hosts(args.host, args.allowed_hosts))
 
 

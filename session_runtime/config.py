@@ -6,8 +6,9 @@ Built once (from CLI flags or code) and passed down; nothing reads globals.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
@@ -76,6 +77,8 @@ PRESETS: dict[str, ModelConfig] = {
 DTYPES = ("float32", "bfloat16", "float16")
 # auto: flashinfer on cuda where it runs, else torch SDPA (see model/attention.py).
 ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer", "paged-reference")
+BACKENDS = ("embedded", "sglang", "upstream")
+UPSTREAM_PROTOCOLS = ("deepseek", "openai-chat", "openai-responses", "anthropic")
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,21 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
+    # Upstream proxy mode (backend "upstream"): steps are answered by a provider's
+    # API at upstream_url (its SDK's base_url: OpenAI-style up to and including
+    # /v1, Anthropic's without), spoken in upstream_protocol.
+    upstream_url: Optional[str] = None
+    upstream_protocol: str = "deepseek"
+    upstream_model: Optional[str] = None  # the model name sent upstream; None: the request's, else model_id
+    upstream_timeout_s: float = 600.0
+    upstream_key: Optional[str] = field(default=None, repr=False)  # None: from the environment (proxy/client.py)
+    # Top-level fields added to each conversation step's upstream request, as
+    # (name, JSON text): ("thinking", '{"type": "enabled"}').
+    upstream_params: tuple[tuple[str, str], ...] = ()
+    # The outbound stripper: passthrough sends every reasoning block (the escape
+    # hatch); keep_tool_turn_reasoning keeps tool-call turns' reasoning (DeepSeek's documented rule).
+    reasoning_passthrough: bool = False
+    keep_tool_turn_reasoning: bool = False
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.pool_tokens < self.page_size:
             raise ValueError("pool_tokens must hold at least one page")
@@ -137,8 +155,20 @@ class RuntimeConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
-        if self.backend not in ("embedded", "sglang"):
-            raise ValueError(f"backend must be embedded or sglang, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if (self.backend == "upstream") != bool(self.upstream_url):
+            raise ValueError("backend 'upstream' and upstream_url go together")
+        if self.upstream_protocol not in UPSTREAM_PROTOCOLS:
+            raise ValueError(f"upstream_protocol must be one of {', '.join(UPSTREAM_PROTOCOLS)}, "
+                             f"got {self.upstream_protocol!r}")
+        for name, text in self.upstream_params:
+            try:
+                json.loads(text)
+            except ValueError:
+                raise ValueError(f"upstream param {name}: {text!r} is not JSON") from None
+        if self.upstream_timeout_s <= 0:
+            raise ValueError(f"upstream_timeout_s must be > 0, got {self.upstream_timeout_s}")
         if self.sglang_url is not None and self.backend != "sglang":
             raise ValueError("sglang_url needs backend 'sglang'")
         if self.workers is not None and (self.workers < 0 or self.backend != "sglang"):

@@ -102,3 +102,29 @@ class TooManyConversations(RuntimeErrorBase):
 
     status = 429
     error_type = "conversation_limit"
+
+
+class UpstreamError(RuntimeErrorBase):
+    """Upstream proxy mode: the provider refused the request. Its status comes
+    back; `details` holds the provider's error body, the name of a known
+    provider error, and what the outbound stripper did to the request."""
+
+    error_type = "upstream_error"
+
+    def __init__(self, message: str, status: int, details: dict):
+        super().__init__(message)
+        self.status = status
+        self.details = details
+
+
+class UpstreamUnavailable(BackendUnavailable):
+    """The provider did not answer (refused, reset, timed out, or a 5xx). Nothing
+    changed; retry it."""
+
+    status = 502
+    error_type = "upstream_unavailable"
+
+    def __init__(self, message: str, details: Optional[dict] = None, status: int = 502):
+        super().__init__(message)
+        self.status = status
+        self.details = details

@@ -102,8 +102,8 @@ class Metrics:
             c = self.counters
             c["steps_total"] += 1
             c["prompt_tokens_total"] += acc.prompt_tokens
-            c["cached_input_tokens_total"] += acc.cached_input_tokens
-            c["prefill_tokens_total"] += acc.uncached_prefill_tokens
+            c["cached_input_tokens_total"] += acc.cached_input_tokens or 0  # None: an upstream that does not say
+            c["prefill_tokens_total"] += acc.uncached_prefill_tokens or 0
             c["recomputed_history_tokens_total"] += acc.recomputed_history_tokens
             c["output_tokens_total"] += acc.output_tokens
             self.latency.observe(total_ms / 1e3)

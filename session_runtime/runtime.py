@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
-from session_runtime.backends.base import Cancellation, StepRequest, StepResult, create_backend
+from session_runtime.backends.base import Cancellation, StepRequest, StepResult, Transcript, create_backend
 from session_runtime.errors import (BackendUnavailable, ContextTooLong, ShuttingDown, StorageUnavailable, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
 from session_runtime.materializer import Materializer
@@ -160,6 +160,8 @@ class Runtime(RuntimeInspection):
             raise InvalidRequest(f"offload {offload!r} needs a host tier; the {self.backend.name} backend "
                                  "has none: use offload 'never'")
         if conversation_id is not None and (not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 128):
+        if self.backend.name == "upstream":
+            materialize = "never"  # no KV here: a canonical branch would be a provider request for nothing
             raise InvalidRequest("conversation_id must be a string of 1 to 128 characters")
         conv = Conversation(
             id=conversation_id or uuid.uuid4().hex[:16], system=system or None, tools=list(tools or ()),
@@ -455,14 +457,19 @@ class Runtime(RuntimeInspection):
             keep = conv.policy.kept_turns(conv.closed_turns)
             rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
             history_len = len(tpl.render(conv.system, conv.tools, conv.history, keep, False).ids) if conv.history else 0
-            counterfactual = self._counterfactual(conv, tpl, ns, new) if first else None
+            # No KV here in upstream mode: nothing local to weigh keep against drop by.
+            counterfactual = self._counterfactual(conv, tpl, ns, new) if first and not self.backend.wants_transcript \
+                else None
             self.backend.reload(conv.id, ns, rendered.ids)  # host tier -> device, outside the engine lock
             result = self.backend.step(
                 StepRequest(
                     owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,
                     forced=forced_ids, history_len=history_len,
+            transcript = None
+            if self.backend.wants_transcript:  # upstream mode: the provider answers from the messages
+                transcript = Transcript(conv.system, conv.tools, [e.message for e in conv.trace] + new, tpl)
                     cache_output=conv.policy.caches_output, hold_chain=conv.policy.holds_chain,
-                    on_token=on_token, cancel=cancel,
+                    on_token=on_token, cancel=cancel, transcript=transcript,
                 )
             )
         except BaseException:
@@ -504,11 +511,15 @@ class Runtime(RuntimeInspection):
         parsed = tpl.parse_output(result.output, f"call_{turn}_{step_index}")
         reasoning = parsed.reasoning
         assistant = Message("assistant", turn, content=parsed.content, reasoning=reasoning,
-                            tool_calls=parsed.tool_calls, output_ids=tuple(result.output))
+                            tool_calls=parsed.tool_calls, output_ids=tuple(result.output),
+                            wire=result.wire.wire if result.wire is not None else "")
         acc = result.accounting
+        if result.wire is not None:  # upstream mode: the provider's message and call ids, verbatim
+            parsed = dataclasses.replace(parsed, reasoning=result.wire.reasoning, content=result.wire.content,
+                                         tool_calls=tuple(result.wire.calls))
         if new[0].role == "user":
             prev = conv.turns[-1] if conv.turns else None
-            state = turn_rules.cache_state(acc.cached_input_tokens + acc.host_loaded_tokens,
+            state = turn_rules.cache_state((acc.cached_input_tokens or 0) + acc.host_loaded_tokens,
                                            prev.first_prompt_tokens if prev else None, conv.canonical_kind)
             acc = dataclasses.replace(acc, cache_state=state, counterfactual=counterfactual)
             conv.turns.append(TurnRecord(index=turn, first_prompt_tokens=len(prompt), cache_state=state,

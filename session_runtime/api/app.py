@@ -152,7 +152,7 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
         return await cancellable(request, lambda cancel: respond(
             runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body, caller, cancel))
 
-    app.include_router(build_router(runtime, metrics.record_step, metrics.record_error))
+    app.include_router(build_router(runtime, metrics.record_step, metrics.record_error, settings.validate))
 
     @app.post("/admin/workers/{wid}/drain")
     def drain(wid: str) -> dict:

@@ -43,10 +43,12 @@ class ApiError:
     message: str
     param: Optional[str] = None  # the request field at fault, where one is
     headers: Mapping[str, str] = field(default_factory=dict)
+    details: Optional[dict] = None  # upstream mode: the provider's error and what the stripper did
 
     @classmethod
     def of(cls, exc: RuntimeErrorBase) -> "ApiError":
-        return cls(exc.status, exc.error_type, str(exc), getattr(exc, "param", None))
+        return cls(exc.status, exc.error_type, str(exc), getattr(exc, "param", None),
+                   details=getattr(exc, "details", None))
 
 
 def is_openai_route(path: str) -> bool:
@@ -72,11 +74,17 @@ def openai_body(err: ApiError) -> tuple[int, dict]:
     status, kind = _OPENAI_STATUS.get(err.status, default)
     if err.kind == "context_too_long":
         status = 400  # OpenAI answers a prompt over the context with 400 context_length_exceeded
-    return status, {"message": err.message, "type": kind, "param": err.param, "code": _OPENAI_CODE.get(err.kind, err.kind)}
+    body = {"message": err.message, "type": kind, "param": err.param, "code": _OPENAI_CODE.get(err.kind, err.kind)}
+    if err.details is not None:
+        body["upstream"] = err.details
+    return status, body
 
 
 def session_body(err: ApiError) -> dict:
-    return {"type": err.kind, "message": err.message}
+    body = {"type": err.kind, "message": err.message}
+    if err.details is not None:
+        body["upstream"] = err.details
+    return body
 
 
 def error_response(err: ApiError, path: str) -> JSONResponse:

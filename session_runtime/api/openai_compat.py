@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from session_runtime.api.auth import current_caller
 from session_runtime.api.errors import ModelNotFound, openai_body
 from session_runtime.api.settings import Caller
+from session_runtime.api.proxy_routes import answerable, proxy_completion, request_body, validation_error
 from session_runtime.api.streaming import cancellable, sse_step
 from session_runtime.errors import ConversationNotFound, InvalidRequest
 from session_runtime.importer import text_content
@@ -115,9 +116,11 @@ def completion(step: Step, model: str, rid: str, decode: Callable[[list[int]], s
     }
 
 
-def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
+def build_router(runtime: Runtime, record_step, record_error, validate: Optional[str] = None) -> APIRouter:
+    """`validate`: check each chat request as that provider does first (--validate)."""
     router = APIRouter()
     created = int(time.time())
+    upstream = runtime.backend.name == "upstream"
 
     def card() -> dict:
         return {"id": runtime.model_id, "object": "model", "created": created, "owned_by": "session-runtime"}
@@ -138,7 +141,14 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
         return await cancellable(request, lambda cancel: complete(body, caller, cancel))
 
     def complete(body: ChatRequest, caller: Caller, cancel):
-        if body.model is not None:
+        if validate is not None:  # a validating upstream: the provider's refusal, else answer it here
+            refused = validation_error(validate, request_body(body))
+            if refused is not None:
+                return refused
+            body = body.model_copy(update={"messages": answerable(body.messages), "model": None})
+        if upstream and not body.conversation_id:  # the client's transcript, to the provider
+            return proxy_completion(runtime.backend, request_body(body), record_step)
+        if body.model is not None and not upstream:
             _check_model(runtime, body.model)
         if body.stop:
             raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step",
@@ -197,7 +207,12 @@ def build_router(runtime: Runtime, record_step, record_error) -> APIRouter:
             return step
 
         if not body.stream:
-            return completion(run(), model, rid, runtime.tokenizer.decode)
+            answer = completion(run(), model, rid, runtime.tokenizer.decode)
+            if validate == "deepseek":  # DeepSeek's own names for the cache figures
+                cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+                answer["usage"].update(prompt_cache_hit_tokens=cached,
+                                       prompt_cache_miss_tokens=answer["usage"]["prompt_tokens"] - cached)
+            return answer
         usage = bool((body.stream_options or {}).get("include_usage"))
         fmt = lambda kind, value: _chunk(kind, value, model, rid, usage, runtime.tokenizer.decode)  # noqa: E731
         tpl = runtime.template(runtime.get(cid).template)

@@ -138,6 +138,9 @@ class ApiSettings:
     # Host header values answered (without the port); others get 400, so a
     # page on another site cannot reach the server by DNS rebinding. None: any.
     allowed_hosts: Optional[frozenset[str]] = None
+    # Check incoming requests the way this provider's API does before answering
+    # (deepseek, openai-chat, openai-responses, anthropic): a validating upstream for tests.
+    validate: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

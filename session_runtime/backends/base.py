@@ -1,8 +1,9 @@
 """The one interface the runtime talks to, and the step types it exchanges.
 
-Two implementations, each in its own folder: `embedded` (our decoder over
-SGLang's pools, one step at a time, in this process) and `sglang` (SGLang's
-own server, batched, with `radix_ext` as its radix-cache backend). Nothing
+Three implementations, each in its own folder: `embedded` (our decoder over
+SGLang's pools, one step at a time, in this process), `sglang` (SGLang's
+own server, batched, with `radix_ext` as its radix-cache backend) and
+`upstream` (a provider's API answers each step; no KV here). Nothing
 outside a backend's folder imports its internals; `create_backend` picks one
 by name and imports it lazily.
 """
@@ -16,9 +17,11 @@ from typing import Callable, Optional, Sequence
 
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime.accounting import StepAccounting
+from session_runtime.config import BACKENDS  # noqa: F401  (the names create_backend takes)
 from session_runtime.errors import DeadlineExceeded, RuntimeErrorBase
 from session_runtime.metrics import Sample
 from session_runtime.sampling import SamplingParams
+from session_runtime.templates.base import Message
 
 
 class Cancellation:
@@ -42,6 +45,31 @@ class Cancellation:
 
 
 @dataclass(frozen=True)
+class Transcript:
+    """The conversation as its trace holds it, reasoning and the provider's
+    continuation state included, for a backend that answers from messages
+    (upstream proxy mode) rather than from token ids."""
+
+    system: Optional[str]
+    tools: Sequence[dict]
+    messages: Sequence[Message]
+    template: object  # the conversation's Template: the answer is recorded as its ids
+
+
+@dataclass(frozen=True)
+class WireReply:
+    """What an upstream answered, as the trace records it: its reasoning,
+    content and tool calls (the provider's call ids), the message to send back
+    verbatim, and the step's upstream accounting."""
+
+    reasoning: str
+    content: str
+    calls: tuple
+    wire: str
+    upstream: dict
+
+
+@dataclass(frozen=True)
 class StepRequest:
     owner: str  # the chain (conversation) that will hold the result
     prompt: Sequence[int]
@@ -55,6 +83,7 @@ class StepRequest:
     on_token: Optional[Callable[[int], None]] = None  # called with each output token (streaming)
     background: bool = False  # idle-time work (a canonical branch): ranks below user steps
     cancel: Optional[Cancellation] = None  # checked between tokens
+    transcript: Optional[Transcript] = None  # backends that answer from messages (wants_transcript)
 
 
 @dataclass(frozen=True)
@@ -74,6 +103,7 @@ class StepResult:
     timing: StepTiming
     logits: Optional[object] = None  # [computed positions, vocab] when return_logits (embedded)
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per output token: (id, logprob), best first
+    wire: Optional[WireReply] = None  # upstream proxy mode
 
 
 class Backend(ABC):
@@ -88,6 +118,7 @@ class Backend(ABC):
     bytes_per_token: int
     capacity: int  # device KV slots
     supports_offload: bool = False  # tool-wait offload to a host tier
+    wants_transcript: bool = False  # steps carry the conversation's messages (upstream proxy mode)
 
     @abstractmethod
     def step(self, req: StepRequest) -> StepResult: ...
@@ -190,7 +221,6 @@ class Backend(ABC):
         """Stop what the backend started."""
 
 
-BACKENDS = ("embedded", "sglang")
 
 
 def create_backend(config, tokenizer) -> Backend:
@@ -205,3 +235,7 @@ def create_backend(config, tokenizer) -> Backend:
 
         return build(config, tokenizer)
     raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
+        return build(config, tokenizer)
+    if config.backend == "upstream":
+        from session_runtime.backends.upstream import build
+

@@ -34,6 +34,10 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""  # tool messages: the call they answer
     output_ids: tuple[int, ...] = ()  # assistant: the ids exactly as generated
+    # Upstream proxy mode, assistant: the provider's message as it came back
+    # ({"protocol", "message"} as JSON): its continuation state (signatures,
+    # encrypted reasoning, call ids, `content: null`) goes back byte-identical.
+    wire: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,188 @@
+"""UpstreamBackend: a provider's API (DeepSeek, an OpenAI-compatible server,
+OpenAI Responses, Anthropic) answers each step of a conversation.
+
+No KV lives here, so nothing is probed, held or offloaded: the tree methods
+answer "empty". A step takes the conversation's trace (every reasoning block,
+the provider's continuation state), builds that protocol's request, sends it
+through the one outbound stripper, and records the answer as the template's
+ids, so the conversation's layers (trace, canonical history, protocol state)
+stay what they are on the local backends. Accounting holds the provider's
+usage (`cached_input_tokens` as the provider reports it, None when it does not)
+and what the stripper did.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Iterator, Optional, Sequence
+
+from radix_ext.tree import Namespace, NodeInfo, ProbeResult
+from session_runtime.accounting import StepAccounting
+from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming, WireReply
+from session_runtime.errors import InvalidRequest
+from session_runtime.metrics import Sample
+from session_runtime.protocols.base import StripOptions
+from session_runtime.protocols.canonical import Usage
+from session_runtime.proxy.client import UpstreamClient
+from session_runtime.proxy.outbound import Forwarded, Outbound, StripAccount
+from session_runtime.proxy.transcript import reply_parts, request_body
+
+
+CHAT_PROTOCOLS = ("deepseek", "openai-chat")  # a chat completion goes to these as it came
+
+
+class UpstreamBackend(Backend):
+    name = "upstream"
+    supports_offload = False
+    wants_transcript = True
+    bytes_per_token = 0
+    capacity = 0
+
+    def __init__(self, config, tokenizer):
+        self.config = config
+        self.page_size = config.page_size
+        self.max_context = config.max_context
+        self.client = UpstreamClient(config.upstream_url, config.upstream_protocol, config.upstream_key,
+                                     config.upstream_timeout_s)
+        options = StripOptions(passthrough=config.reasoning_passthrough,
+                               keep_tool_turns=config.keep_tool_turn_reasoning)
+        self.outbound = Outbound(self.client, lambda text: len(tokenizer.encode(text)) if text else 0, options,
+                                 model=config.upstream_model)
+        self._steps_ok = 0
+        self._steps_failed = 0
+
+    # ----- a step ----------------------------------------------------------------
+
+    def step(self, req: StepRequest) -> StepResult:
+        if req.transcript is None:
+            raise InvalidRequest("the upstream backend answers conversation steps only")
+        if req.forced is not None:
+            raise InvalidRequest("forced output is not supported in upstream mode: the provider answers")
+        t = req.transcript
+        s = req.sampling
+        params = {"model": self.config.upstream_model or self.config.model_id or self.config.model,
+                  "max_tokens": s.max_tokens, "temperature": s.temperature}
+        params.update((name, json.loads(text)) for name, text in self.config.upstream_params)
+        if s.top_p < 1.0:
+            params["top_p"] = s.top_p
+        if s.seed is not None and self.config.upstream_protocol != "anthropic":
+            params["seed"] = s.seed
+        body = request_body(self.config.upstream_protocol, t.system, t.tools, t.messages, params)
+        if req.cancel is not None:
+            req.cancel.check()
+        t0 = time.perf_counter()
+        try:
+            sent = self.outbound.send(body)
+        except Exception:
+            self._steps_failed += 1
+            raise
+        parts = reply_parts(self.config.upstream_protocol, sent.body, sent.reply)
+        output = list(t.template.forced_ids(parts.reasoning, parts.content, parts.calls))
+        if req.on_token is not None:  # the whole answer at once: the provider was not streamed
+            for tok in output:
+                req.on_token(tok)
+        usage = sent.reply.usage or Usage(len(req.prompt), len(output))
+        elapsed = (time.perf_counter() - t0) * 1e3
+        prompt = usage.prompt_tokens
+        cached = usage.cached_input_tokens
+        upstream = {"protocol": self.config.upstream_protocol, "model": params["model"], "id": sent.reply.id,
+                    "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                              "cached_input_tokens": cached, "reasoning_tokens": usage.reasoning_tokens},
+                    "stripper": sent.strip.as_dict(), "elapsed_ms": round(sent.elapsed_ms, 2)}
+        acc = StepAccounting(
+            prompt_tokens=prompt, cached_input_tokens=cached, host_loaded_tokens=0,
+            uncached_prefill_tokens=None if cached is None else prompt - cached,
+            logical_reusable_tokens=0, alignment_loss_tokens=0, recomputed_history_tokens=0,
+            active_context_length=len(req.prompt) + len(output),
+            output_tokens=usage.completion_tokens,
+            kv_device_bytes=0, kv_host_bytes=0, prefill_ms=0.0, ttft_ms=elapsed, tpot_ms=0.0, attention_work=0,
+            upstream=upstream,
+        )
+        self._steps_ok += 1
+        wire = WireReply(parts.reasoning, parts.content, parts.calls, parts.wire, upstream)
+        return StepResult(output=output, finish_reason=parts.finish_reason, sequence=[*req.prompt, *output],
+                          logprobs=None, accounting=acc, timing=StepTiming(elapsed, elapsed, 0.0), wire=wire)
+
+    # ----- a stateless chat completion (the client holds the transcript) ------------
+
+    def forward_chat(self, body: dict) -> tuple[Forwarded, dict]:
+        """A chat completion body as the client sent it, stripped and sent; returns
+        what was forwarded and the provider's answer plus `accounting.upstream`."""
+        if self.config.upstream_protocol not in CHAT_PROTOCOLS:
+            raise InvalidRequest(f"a chat completion without conversation_id is forwarded as it is, so it needs a "
+                                 f"chat upstream ({', '.join(CHAT_PROTOCOLS)}), not {self.config.upstream_protocol}: "
+                                 "give a conversation_id, and the conversation speaks the upstream's protocol")
+        forwarded = self.outbound.send(body)
+        self._steps_ok += 1
+        usage = forwarded.reply.usage
+        upstream = {"protocol": self.config.upstream_protocol, "id": forwarded.reply.id,
+                    "usage": None if usage is None else {
+                        "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                        "cached_input_tokens": usage.cached_input_tokens, "reasoning_tokens": usage.reasoning_tokens},
+                    "stripper": forwarded.strip.as_dict(), "elapsed_ms": round(forwarded.elapsed_ms, 2)}
+        return forwarded, {**forwarded.body, "accounting": {"upstream": upstream}}
+
+    def forward_stream(self, body: dict) -> tuple[int, Iterator[bytes], StripAccount]:
+        """The streamed form: (the provider's status, its SSE bytes as they come,
+        what the stripper did). A refusal raises before any byte is sent."""
+        if self.config.upstream_protocol not in CHAT_PROTOCOLS:
+            self.forward_chat(body)  # raises the same InvalidRequest
+        sent, account = self.outbound.prepare(body)
+        stream = self.client.stream(sent)
+        status, chunks = stream.__enter__()
+        if status >= 400:
+            raw = b"".join(chunks)
+            stream.__exit__(None, None, None)
+            try:
+                error = json.loads(raw)
+            except ValueError:
+                error = raw.decode("utf-8", "replace")
+            self._steps_failed += 1
+            raise self.outbound.refused(status, error, account)
+        self._steps_ok += 1
+
+        def relay() -> Iterator[bytes]:
+            try:
+                yield from chunks
+            finally:
+                stream.__exit__(None, None, None)
+
+        return status, relay(), account
+
+    # ----- no KV here --------------------------------------------------------------
+
+    def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
+        return ProbeResult(0, 0)
+
+    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
+        return 0
+
+    def release(self, owner: str) -> None:
+        pass
+
+    def chain_tokens(self, owner: str) -> int:
+        return 0
+
+    def chain_lengths(self) -> dict[str, int]:
+        return {}
+
+    def snapshot(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
+        return []
+
+    def metric_samples(self) -> list[Sample]:
+        return [Sample("upstream_steps_total", self._steps_ok, help="Steps the upstream answered", kind="counter"),
+                Sample("upstream_step_failures_total", self._steps_failed,
+                       help="Steps the upstream refused or could not answer", kind="counter")]
+
+    def free_fraction(self) -> float:
+        return 1.0
+
+    def check_integrity(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"upstream {self.config.upstream_protocol} at {self.client.base_url}"
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,3 @@
+"""The way out to a provider's API: its HTTP client (client.py), the outbound
+stripper and its accounting (outbound.py), and a conversation's trace as that
+provider's request body (transcript.py)."""

@@ -1,0 +1,113 @@
+"""HTTP to a provider's API: one POST per request, the protocol's path and
+authentication headers, errors as typed exceptions.
+
+The base URL is what the provider's official SDK takes as `base_url`:
+OpenAI-style APIs up to and including `/v1` (`https://api.deepseek.com/v1`,
+`http://127.0.0.1:8000/v1`), Anthropic's without it (`https://api.anthropic.com`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from session_runtime.errors import UpstreamUnavailable
+
+# protocol -> (path under the base URL, environment variable of its usual key)
+ENDPOINTS = {
+    "deepseek": ("/chat/completions", "DEEPSEEK_API_KEY"),
+    "openai-chat": ("/chat/completions", "OPENAI_API_KEY"),
+    "openai-responses": ("/responses", "OPENAI_API_KEY"),
+    "anthropic": ("/v1/messages", "ANTHROPIC_API_KEY"),
+}
+KEY_ENV = "SESSION_RUNTIME_UPSTREAM_KEY"  # wins over the protocol's usual variable
+ANTHROPIC_VERSION = "2023-06-01"
+
+
+def upstream_key(protocol: str, given: Optional[str] = None) -> Optional[str]:
+    """`--upstream-key`, else $SESSION_RUNTIME_UPSTREAM_KEY, else the protocol's usual variable."""
+    return given or os.environ.get(KEY_ENV) or os.environ.get(ENDPOINTS[protocol][1]) or None
+
+
+@dataclass(frozen=True)
+class UpstreamResponse:
+    status: int
+    body: object  # the JSON body, or the text when it is not JSON
+    elapsed_ms: float
+    request_id: Optional[str] = None  # the provider's, from its response headers
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
+class UpstreamClient:
+    """Thread-safe (one pooled httpx client). `post` raises UpstreamUnavailable
+    when the provider cannot be reached or answers 5xx; a 4xx comes back as a
+    response for the caller to name."""
+
+    def __init__(self, base_url: str, protocol: str, key: Optional[str] = None, timeout_s: float = 600.0):
+        import httpx
+
+        if protocol not in ENDPOINTS:
+            raise ValueError(f"unknown upstream protocol {protocol!r}; one of {', '.join(ENDPOINTS)}")
+        self.base_url = base_url.rstrip("/")
+        self.protocol = protocol
+        self.url = self.base_url + ENDPOINTS[protocol][0]
+        self._key = upstream_key(protocol, key)
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
+
+    def headers(self) -> dict:
+        out = {"content-type": "application/json"}
+        if self.protocol == "anthropic":
+            out["anthropic-version"] = ANTHROPIC_VERSION
+            if self._key:
+                out["x-api-key"] = self._key
+        elif self._key:
+            out["authorization"] = f"Bearer {self._key}"
+        return out
+
+    def post(self, body: dict) -> UpstreamResponse:
+        import httpx
+
+        t0 = time.perf_counter()
+        try:
+            r = self._http.post(self.url, content=json.dumps(body, ensure_ascii=False).encode(), headers=self.headers())
+        except httpx.TimeoutException as exc:
+            raise UpstreamUnavailable(f"the upstream {self.url} did not answer in time: {exc}", status=504) from None
+        except httpx.HTTPError as exc:
+            raise UpstreamUnavailable(f"the upstream {self.url} cannot be reached: {exc}") from None
+        response = UpstreamResponse(r.status_code, _body(r), (time.perf_counter() - t0) * 1e3,
+                                    r.headers.get("x-request-id") or r.headers.get("request-id"))
+        if r.status_code >= 500:
+            raise UpstreamUnavailable(f"the upstream {self.url} failed with {r.status_code}",
+                                      details={"status": r.status_code, "body": response.body})
+        return response
+
+    @contextmanager
+    def stream(self, body: dict) -> Iterator[tuple[int, Iterator[bytes]]]:
+        """(status, the body's bytes as they arrive) of a streamed request."""
+        import httpx
+
+        try:
+            with self._http.stream("POST", self.url, content=json.dumps(body, ensure_ascii=False).encode(),
+                                   headers=self.headers()) as r:
+                yield r.status_code, r.iter_raw()
+        except httpx.TimeoutException as exc:
+            raise UpstreamUnavailable(f"the upstream {self.url} did not answer in time: {exc}", status=504) from None
+        except httpx.HTTPError as exc:
+            raise UpstreamUnavailable(f"the upstream {self.url} cannot be reached: {exc}") from None
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def _body(r) -> object:
+    try:
+        return r.json()
+    except ValueError:
+        return r.text

@@ -1,0 +1,164 @@
+"""The way out to a provider: parse the request in its protocol, strip
+historical reasoning by that protocol's rules, count what was stripped, send
+it, and name the provider's error when it refuses.
+
+Every outbound path (a conversation's steps, a stateless chat completion, a
+summary or compaction request a client sends through the proxy) goes through
+`Outbound.send`, so one stripper decides what leaves the machine. The request
+given is never changed: it is the client's transcript.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+from session_runtime.errors import InvalidRequest, UpstreamError, UpstreamUnavailable
+from session_runtime.protocols import get_protocol
+from session_runtime.protocols.base import ProtocolInputError, StripOptions
+from session_runtime.protocols.canonical import ChatRequest, Reply, reasoning_text
+from session_runtime.proxy.client import UpstreamClient
+
+
+@dataclass(frozen=True)
+class StripAccount:
+    """What the stripper did to one request, for the step's accounting and errors.
+
+    Tokens are counted with the conversation's template tokenizer over every
+    text of the request (system, messages, reasoning, tool calls and results);
+    bytes are UTF-8. The provider's own count is in its usage.
+    """
+
+    protocol: str
+    mode: str  # passthrough, strict (sent as received), or lenient (stripped)
+    nudge_rewritten: bool  # a trailing system message after an assistant went out as user
+    messages_stripped: int
+    stripped_tokens: int
+    stripped_bytes: int
+    request_tokens: int  # the request as received
+    reasoning_tokens: int  # reasoning in the request as received
+    sent_tokens: int
+    sent_reasoning_tokens: int
+
+    @property
+    def reasoning_share(self) -> float:
+        """Reasoning over all tokens of the request as the client sent it."""
+        return self.reasoning_tokens / self.request_tokens if self.request_tokens else 0.0
+
+    @property
+    def sent_reasoning_share(self) -> float:
+        return self.sent_reasoning_tokens / self.sent_tokens if self.sent_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "reasoning_share": round(self.reasoning_share, 4),
+                "sent_reasoning_share": round(self.sent_reasoning_share, 4)}
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    reply: Reply  # the provider's answer, parsed
+    body: dict  # the provider's response body, verbatim
+    sent: dict  # the request body as it went out
+    strip: StripAccount
+    elapsed_ms: float
+
+
+class Outbound:
+    """One provider, one protocol, one stripper configuration. Thread-safe."""
+
+    def __init__(self, client: UpstreamClient, count_tokens: Callable[[str], int], options: StripOptions,
+                 model: Optional[str] = None):
+        self.client = client
+        self.protocol = get_protocol(client.protocol)
+        self.count = count_tokens
+        self.options = options
+        self.model = model  # sent instead of the request's model, when set
+
+    def prepare(self, body: dict) -> tuple[dict, StripAccount]:
+        """The body as it will go out, and what the stripper did. Raises
+        InvalidRequest (400) naming the field of a body the protocol cannot read."""
+        try:
+            request = self.protocol.parse_request(body)
+        except ProtocolInputError as exc:
+            raise InvalidRequest(f"{exc}", param=getattr(exc, "path", None)) from None
+        result = self.protocol.strip(request, self.options)
+        sent = self.protocol.render_request(result.request)
+        if self.model is not None:
+            sent = {**sent, "model": self.model}
+        return sent, self._account(request, result)
+
+    def send(self, body: dict) -> Forwarded:
+        """Strip and send `body`; raises UpstreamError with the provider's status
+        when it refuses, UpstreamUnavailable when it cannot answer."""
+        sent, account = self.prepare(body)
+        response = self.client.post(sent)
+        if not response.ok:
+            raise self.refused(response.status, response.body, account)
+        if not isinstance(response.body, dict):
+            raise UpstreamUnavailable(f"the upstream answered {response.status} with a body that is not JSON",
+                                      details={"body": str(response.body)[:2000], "stripper": account.as_dict()})
+        try:
+            reply = self.protocol.parse_response(response.body)
+        except (ProtocolInputError, ValueError, KeyError, TypeError) as exc:
+            raise UpstreamUnavailable(f"the upstream's answer is not a {self.client.protocol} response: {exc}",
+                                      details={"body": response.body, "stripper": account.as_dict()}) from None
+        return Forwarded(reply, response.body, sent, account, response.elapsed_ms)
+
+    def refused(self, status: int, body: object, account: StripAccount) -> UpstreamError:
+        """The provider's 4xx in our error shape: its body, its known name, and
+        what the stripper did (the usual cause of a reasoning 400)."""
+        name = self.protocol.known_error(status, body if isinstance(body, dict) else {})
+        message = _provider_message(body)
+        hint = ""
+        if name is not None:
+            hint = f" (known provider error {name}; the stripper ran in {account.mode} mode"
+            hint += ", rewrote a trailing nudge" if account.nudge_rewritten else ""
+            hint += f", stripped reasoning from {account.messages_stripped} message(s))"
+        return UpstreamError(f"the upstream refused the request with {status}: {message}{hint}", status,
+                             {"status": status, "body": body, "known_error": name, "stripper": account.as_dict()})
+
+    def _account(self, request: ChatRequest, result) -> StripAccount:
+        total, reasoning = self._tokens(request)
+        sent_total, sent_reasoning = self._tokens(result.request)
+        stripped = list(result.stripped_texts)
+        return StripAccount(
+            protocol=self.client.protocol, mode=result.mode, nudge_rewritten=result.nudge_rewritten,
+            messages_stripped=len(result.stripped_indexes),
+            stripped_tokens=sum(self.count(t) for t in stripped),
+            stripped_bytes=sum(len(t.encode("utf-8")) for t in stripped),
+            request_tokens=total, reasoning_tokens=reasoning, sent_tokens=sent_total,
+            sent_reasoning_tokens=sent_reasoning,
+        )
+
+    def _tokens(self, request: ChatRequest) -> tuple[int, int]:
+        """(tokens of every text of the request, tokens of its reasoning)."""
+        reasoning = sum(self.count(reasoning_text(m)) for m in request.messages)
+        other = [_text(m.content) for m in request.messages]
+        other += [c.arguments for m in request.messages for c in m.calls]
+        other += [_text(request.params.get(k)) for k in ("system", "instructions")]
+        if request.tools:
+            other.append(json.dumps(request.tools, ensure_ascii=False))
+        return reasoning + sum(self.count(t) for t in other if t), reasoning
+
+
+def _text(content: object) -> str:
+    """The text of a content value of any protocol (a string, null, or parts/blocks)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_text(p.get("text") if isinstance(p, dict) and "text" in p else
+                             p.get("content") if isinstance(p, dict) else p) for p in content)
+    return json.dumps(content, ensure_ascii=False)
+
+
+def _provider_message(body: object) -> str:
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(body.get("message"), str):
+            return body["message"]
+    return str(body)[:500]

@@ -1,0 +1,249 @@
+"""Upstream proxy mode over real loopback HTTP.
+
+A validating upstream (`--validate deepseek`: our server checking requests as
+DeepSeek's API does, then answering with the tiny engine) stands in for the
+provider; proxies (`--upstream URL`) strip on the way out. The seed's wire
+shapes V0-V4 and W1-W6 (tests/protocols/shapes.py) go to the validator
+directly, through the default stripper and through the escape hatch, each
+with the status the live API gave. A scripted provider (canned DeepSeek
+answers with tool calls, every request recorded) drives conversation steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import socket
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+from fastapi import Request
+
+from session_runtime.api.settings import ApiSettings
+from tests.api.conftest import build_runtime, openai_error_of, served, start_server
+from tests.protocols.shapes import EXPECTED, SHAPES
+
+# ----- servers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def validator():
+    """Our server in --validate deepseek mode over its own tiny engine (the
+    seed's drafts need more context than the shared runtime's 512 tokens)."""
+    rt = build_runtime(max_context=4096, pool_tokens=32768)
+    live = start_server(rt, ApiSettings(validate="deepseek"))
+    yield live
+    live.stop()
+    rt.close()
+
+
+@pytest.fixture(scope="module")
+def proxy(validator):
+    with served(backend="upstream", upstream_url=validator.url + "/v1") as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def passthrough_proxy(validator):
+    with served(backend="upstream", upstream_url=validator.url + "/v1", reasoning_passthrough=True) as live:
+        yield live
+
+
+def post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=120)
+
+
+@contextlib.contextmanager
+def recorded(live) -> Iterator[list[dict]]:
+    """Every body the proxy sends upstream, as sent."""
+    client = live.runtime.backend.client
+    sent: list[dict] = []
+    real = client.post
+
+    def post_and_record(body: dict):
+        sent.append(copy.deepcopy(body))
+        return real(body)
+
+    client.post = post_and_record
+    try:
+        yield sent
+    finally:
+        client.post = real
+
+
+# ----- the seed's wire shapes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_wire_shapes_direct_stripped_and_passthrough(shape, validator, proxy, passthrough_proxy):
+    """One row of the regression table: the validator as the live API answered
+    the raw body, the default stripper, and the escape hatch (sends it as is)."""
+    want = EXPECTED[shape]
+    got = (post(validator.url, SHAPES[shape]()).status_code, post(proxy.url, SHAPES[shape]()).status_code,
+           post(passthrough_proxy.url, SHAPES[shape]()).status_code)
+    assert got == (want.raw, want.stripped, want.passthrough)
+
+
+def test_the_nudge_rewrite_turns_w3s_400_into_200(validator, proxy):
+    body = SHAPES["W3"]()
+    assert post(validator.url, body).status_code == 400
+    with recorded(proxy) as sent:
+        r = post(proxy.url, body)
+    assert r.status_code == 200, r.text
+    assert sent[0]["messages"][-1] == {"role": "user", "content": body["messages"][-1]["content"]}
+    account = json.loads(r.headers["x-session-runtime-stripper"])
+    assert account["nudge_rewritten"] and account["mode"] == "lenient"
+    assert r.json()["accounting"]["upstream"]["stripper"] == account
+
+
+@pytest.mark.parametrize("shape,content", [("V0", None), ("V2", "")])
+def test_content_null_and_empty_go_out_exactly_as_received(shape, content, proxy):
+    body = SHAPES[shape]()
+    before = copy.deepcopy(body)
+    with recorded(proxy) as sent:
+        assert post(proxy.url, body).status_code == 200
+    assert body == before  # the client's transcript is never edited
+    out = sent[0]["messages"]
+    for i in (2, 4):  # the two tool-call turns
+        assert "content" in out[i] and out[i]["content"] is None if content is None else out[i]["content"] == ""
+        assert "reasoning_content" not in out[i]  # completed turns are stripped in lenient shapes
+        assert out[i]["tool_calls"] == before["messages"][i]["tool_calls"]
+    assert [m for k, m in enumerate(out) if k not in (2, 4)] == [m for k, m in enumerate(before["messages"])
+                                                               if k not in (2, 4)]
+
+
+def test_stripped_reasoning_is_counted_in_tokens_and_bytes(proxy):
+    body = SHAPES["V0"]()
+    r = post(proxy.url, body)
+    account = r.json()["accounting"]["upstream"]["stripper"]
+    texts = [body["messages"][i]["reasoning_content"] for i in (2, 4)]
+    tokenizer = proxy.runtime.tokenizer
+    assert account["messages_stripped"] == 2
+    assert account["stripped_bytes"] == sum(len(t.encode()) for t in texts)
+    assert account["stripped_tokens"] == sum(len(tokenizer.encode(t)) for t in texts)
+    assert account["sent_reasoning_tokens"] == 0
+    assert 0 < account["reasoning_share"] < 1
+
+
+def test_an_upstream_refusal_comes_back_named_in_our_error_shape(proxy):
+    r = post(proxy.url, SHAPES["W5"]())  # strict: a stripped tool-call turn last, sent as is
+    assert r.status_code == 400 and r.headers["x-should-retry"] == "false"
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "upstream_error", None)
+    assert "thinking mode must be passed back" in err["message"]
+    upstream = err["upstream"]  # our extension of OpenAI's error object
+    assert upstream["known_error"] == "deepseek.reasoning_content_missing"
+    assert upstream["status"] == 400 and upstream["stripper"]["mode"] == "strict"
+    assert upstream["body"]["error"]["message"].startswith("The `reasoning_content`")
+
+
+def test_a_streamed_completion_is_relayed(proxy):
+    body = {**SHAPES["V1"](), "stream": True, "max_tokens": 2}
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        assert json.loads(r.headers["x-session-runtime-stripper"])["messages_stripped"] == 1
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_an_upstream_that_is_down_is_a_retryable_502():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there
+    with served(backend="upstream", upstream_url=f"http://127.0.0.1:{port}/v1") as live:
+        r = post(live.url, SHAPES["V0"]())
+        openai_error_of(r, 502, "server_error", code="upstream_unavailable")
+        cid = httpx.post(live.url + "/v1/conversations", json={}).json()["id"]
+        r = httpx.post(f"{live.url}/v1/conversations/{cid}/messages", json={"content": "hi"}, timeout=60)
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable"
+        conv = httpx.get(f"{live.url}/v1/conversations/{cid}").json()
+        assert conv["turns"] == [] and conv["trace"] == []  # nothing changed
+
+
+# ----- conversation steps against a scripted provider --------------------------------------------------
+
+
+class ScriptedDeepSeek:
+    """A DeepSeek stand-in: answers from `replies` in order and records each
+    request body. For the conversation tests, where the tiny engine could not
+    be made to call a tool."""
+
+    def __init__(self) -> None:
+        from fastapi import FastAPI
+
+        self.replies: list[dict] = []
+        self.requests: list[dict] = []
+        self.app = FastAPI()
+
+        @self.app.post("/v1/chat/completions")
+        async def chat(request: Request) -> dict:
+            self.requests.append(json.loads(await request.body()))
+            message = self.replies.pop(0)
+            finish = "tool_calls" if message.get("tool_calls") else "stop"
+            return {"id": f"r{len(self.requests)}", "object": "chat.completion", "created": 0, "model": "m",
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110,
+                              "prompt_cache_hit_tokens": 64, "prompt_cache_miss_tokens": 36}}
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    import uvicorn
+
+    provider = ScriptedDeepSeek()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(provider.app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    provider.url = f"http://127.0.0.1:{port}/v1"
+    yield provider
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+CALL = {"id": "call_up_7", "type": "function", "function": {"name": "calc", "arguments": "{\"expr\": \"2+2\"}"}}
+
+
+def test_a_conversation_keeps_the_providers_message_and_strips_only_on_the_way_out(scripted):
+    first = {"role": "assistant", "content": None, "reasoning_content": "I need calc.", "tool_calls": [CALL]}
+    answer = {"role": "assistant", "content": "4.", "reasoning_content": "The tool said 4."}
+    scripted.replies[:] = [first, answer, {"role": "assistant", "content": "Bye.", "reasoning_content": "End."}]
+    scripted.requests.clear()
+    with served(backend="upstream", upstream_url=scripted.url, upstream_model="deepseek-v4-flash",
+                upstream_params=(("thinking", '{"type": "enabled"}'),)) as live:
+        c = httpx.Client(base_url=live.url, timeout=60)
+        cid = c.post("/v1/conversations", json={"system": "Use calc."}).json()["id"]
+        step = c.post(f"/v1/conversations/{cid}/messages", json={"content": "2+2?"}).json()
+        assert "tool_calls" in step, step
+        assert step["tool_calls"] == [{"id": "call_up_7", "name": "calc", "arguments": {"expr": "2+2"}}]
+        assert step["reasoning"] == "I need calc." and step["accounting"]["cached_input_tokens"] == 64
+        assert step["accounting"]["upstream"]["usage"]["cached_input_tokens"] == 64
+        step = c.post(f"/v1/conversations/{cid}/tool_results",
+                      json={"results": [{"tool_call_id": "call_up_7", "content": "4"}]}).json()
+        assert step["content"] == "4." and step["finish_reason"] == "stop"
+        # Inside the tool chain the provider's message goes back verbatim, reasoning and content: null included.
+        sent = scripted.requests[1]
+        assert sent["model"] == "deepseek-v4-flash" and sent["thinking"] == {"type": "enabled"}
+        assert sent["messages"][2] == first
+        assert sent["messages"][3] == {"role": "tool", "tool_call_id": "call_up_7", "content": "4"}
+        step = c.post(f"/v1/conversations/{cid}/messages", json={"content": "Thanks."}).json()
+        # The next turn: the closed turn's reasoning is stripped on the way out only.
+        sent = scripted.requests[2]["messages"]
+        assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool", "assistant", "user"]
+        assert all("reasoning_content" not in m for m in sent)
+        assert sent[2] == {k: v for k, v in first.items() if k != "reasoning_content"}
+        stripper = step["accounting"]["upstream"]["stripper"]
+        assert stripper["messages_stripped"] == 2 and stripper["stripped_bytes"] == len("I need calc.The tool said 4.")
+        trace = c.get(f"/v1/conversations/{cid}").json()["trace"]
+        assert [m["reasoning"] for m in trace if m["role"] == "assistant"] == ["I need calc.", "The tool said 4.", "End."]
+        c.close()
