@@ -230,3 +230,23 @@ def test_known_errors():
 def test_unknown_protocol():
     with pytest.raises(ValueError, match="unknown protocol"):
         get_protocol("gemini")
+
+
+def test_passthrough_from_env(monkeypatch):
+    from session_runtime.protocols import PASSTHROUGH_ENV, passthrough_from_env
+
+    assert PASSTHROUGH_ENV == "SESSION_RUNTIME_REASONING_PASSTHROUGH"
+    assert passthrough_from_env({PASSTHROUGH_ENV: "1"}) and not passthrough_from_env({PASSTHROUGH_ENV: "0"})
+    monkeypatch.setenv(PASSTHROUGH_ENV, "1")
+    assert passthrough_from_env()
+    monkeypatch.delenv(PASSTHROUGH_ENV)
+    assert not passthrough_from_env()
+
+
+def test_every_protocol_by_name():
+    from session_runtime.protocols import NAMES, ChatProtocol
+
+    assert NAMES == ("deepseek", "openai-chat", "openai-responses", "anthropic")
+    for name in NAMES:
+        proto = get_protocol(name)
+        assert isinstance(proto, ChatProtocol) and proto.name == name

@@ -54,7 +54,7 @@ def body(reasoning_fields: tuple[str, ...]):
                      st.dictionaries(st.sampled_from(["thinking", "tools", "max_tokens"]), json_value, max_size=2))
 
 
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
