@@ -135,7 +135,3 @@ def reasoning_text(msg: Msg) -> str:
         return ""
     return "\n\n".join(r.text for r in msg.reasoning if r.text)
 
-
-def reasoning_blocks(text: Optional[str]) -> Optional[tuple[Reasoning, ...]]:
-    """Plain-text reasoning as blocks: None stays None (absent)."""
-    return None if text is None else (Reasoning(text),)
