@@ -5,10 +5,11 @@
 
 Each reader (formats/) turns its records into these calls, each with a `Where`
 that names the record for errors. A tool result goes to the pending call whose
-id it names when the calls carry ids; a result without an id (or calls without
-ids: JSONL) takes the next unanswered call, the k-th result the k-th call. A
-step's results are kept in the order of its calls, the order the runtime
-renders them in, whatever order they arrived in.
+id it names when the calls carry ids; the results without an id (or all of them,
+when the calls have no ids: JSONL) take the calls no result names, in order,
+the k-th such result the k-th such call. A step's results are kept in the order
+of its calls, the order the runtime renders them in, whatever order they
+arrived in.
 
 Handled with a note instead of an error:
 - an assistant message before the first user message (a greeting) is folded
@@ -50,6 +51,15 @@ class Where:
 
 
 @dataclass(frozen=True)
+class _Result:
+    where: Where
+    content: str
+    call_id: Optional[str]
+    by_id: bool  # matched by call_id (else it takes a call no result names)
+    name: Optional[str]
+
+
+@dataclass(frozen=True)
 class Call:
     name: str
     arguments: dict
@@ -75,7 +85,8 @@ class TraceBuilder:
         self.steps: list[TraceStep] = []
         self.step_at: Optional[Where] = None  # the last step
         self.calls: tuple[Call, ...] = ()  # the last step's calls
-        self.results: list[Optional[str]] = []  # their results, in call order
+        self.arrived: list[_Result] = []  # their results so far, in file order
+        self.results: tuple[str, ...] = ()  # all of them, in call order
         self.results_at: Optional[Where] = None  # the last result
 
     @property
@@ -125,45 +136,53 @@ class TraceBuilder:
         twice = sorted({i for i in ids if ids.count(i) > 1})
         if twice:
             raise where.error(f"tool call id(s) {', '.join(map(repr, twice))} appear more than once")
-        results = tuple(self.results) if self.state == "answered" else ()
+        results = self.results if self.state == "answered" else ()
         self.steps.append(TraceStep(where.line, reasoning, content, tuple(c.forced() for c in calls),
                                     results, where.record))
         self.step_at, self.calls = where, tuple(calls)
-        self.results = [None] * len(calls)
+        self.arrived, self.results = [], ()
         self.state = "calling" if calls else "closed"
 
     def tool(self, where: Where, content: str, call_id: Optional[str] = None, name: Optional[str] = None,
              field: str = "") -> None:
         """A result for one of the last step's calls: the one `call_id` names when
-        the calls have ids, else the next unanswered one. `field` names the id's
-        field in errors."""
+        the calls have ids, else one no result names (see the module's docstring).
+        `field` names the id's field in errors."""
         if self.state != "calling":
             why = ""
             if self.state == "answered":
                 why = f": the {len(self.calls)} call(s) of {self.step_at.label} are all answered"
             raise where.error("tool result without a pending tool call" + why)
-        index = self._match(where, call_id, field)
-        call = self.calls[index]
-        if name is not None and name != call.name:
-            raise where.error(f"tool result named {name!r} answers call {index + 1} of {self.step_at.label}, "
-                              f"which is {call.name!r}")
-        self.results[index] = content
-        self.results_at = where
-        if self._unanswered() == 0:
-            self.state = "answered"
-
-    def _match(self, where: Where, call_id: Optional[str], field: str) -> int:
         ids = [c.id for c in self.calls]
-        if call_id is not None and any(i is not None for i in ids):
+        by_id = call_id is not None and any(i is not None for i in ids)
+        if by_id:
             if call_id not in ids:
                 known = ", ".join(repr(i) for i in ids if i is not None)
                 raise where.error(f"tool result for id {call_id!r}, which matches no tool call of "
                                   f"{self.step_at.label} (its ids: {known})", field)
-            index = ids.index(call_id)
-            if self.results[index] is not None:
+            if any(r.by_id and r.call_id == call_id for r in self.arrived):
                 raise where.error(f"a second tool result for call {call_id!r} of {self.step_at.label}", field)
-            return index
-        return self.results.index(None)  # state "calling": one is unanswered
+        self.arrived.append(_Result(where, content, call_id, by_id, name))
+        self.results_at = where
+        if self._unanswered() == 0:
+            self.results = self._in_call_order()
+            self.state = "answered"
+
+    def _in_call_order(self) -> tuple[str, ...]:
+        ids = [c.id for c in self.calls]
+        slots: list[Optional[_Result]] = [None] * len(self.calls)
+        for r in self.arrived:
+            if r.by_id:
+                slots[ids.index(r.call_id)] = r
+        free = (i for i, r in enumerate(slots) if r is None)
+        for r in self.arrived:
+            if not r.by_id:
+                slots[next(free)] = r
+        for index, (r, call) in enumerate(zip(slots, self.calls)):
+            if r.name is not None and r.name != call.name:
+                raise r.where.error(f"tool result named {r.name!r} answers call {index + 1} of "
+                                    f"{self.step_at.label}, which is {call.name!r}")
+        return tuple(r.content for r in slots)
 
     def _greeting(self, where: Where, content: str, calls: Sequence[Call]) -> None:
         if calls:
@@ -178,7 +197,7 @@ class TraceBuilder:
             self.note(where, "an assistant message before the first user message, with no text, is skipped")
 
     def _unanswered(self) -> int:
-        return sum(r is None for r in self.results)
+        return len(self.calls) - len(self.arrived)
 
     # ----- the end ----------------------------------------------------------------
 
