@@ -24,6 +24,7 @@ from session_runtime.api.auth import AccessLog, Authenticate, CheckHost, current
 from session_runtime.api.errors import ApiError, InternalErrors, error_response
 from session_runtime.api.limits import BodyLimit
 from session_runtime.api.openai_compat import build_router
+from session_runtime.api.protocol_routes import build_protocol_routes
 from session_runtime.api.settings import ApiSettings, Caller
 from session_runtime.api.streaming import cancellable, sse_step
 from session_runtime.api.tree_page import tree_page_router
@@ -152,7 +153,10 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
         return await cancellable(request, lambda cancel: respond(
             runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body, caller, cancel))
 
-    app.include_router(build_router(runtime, metrics.record_step, metrics.record_error, settings.validate))
+    chat = build_router(runtime, metrics.record_step, metrics.record_error, settings.validate)
+    app.include_router(chat)
+    if runtime.backend.name != "upstream":  # Anthropic Messages and OpenAI Responses, answered here
+        app.include_router(build_protocol_routes(chat, settings.validate, runtime.model_id))
 
     @app.post("/admin/workers/{wid}/drain")
     def drain(wid: str) -> dict:

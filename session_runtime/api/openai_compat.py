@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from session_runtime.api.auth import current_caller
 from session_runtime.api.errors import ModelNotFound, openai_body
 from session_runtime.api.settings import Caller
-from session_runtime.api.proxy_routes import answerable, proxy_completion, request_body, validation_error
+from session_runtime.api.proxy_routes import CHAT_PROTOCOLS, answerable, proxy_completion, request_body, validation_error
 from session_runtime.api.streaming import cancellable, sse_step
 from session_runtime.errors import ConversationNotFound, InvalidRequest
 from session_runtime.importer import text_content
@@ -119,9 +119,9 @@ def completion(step: Step, model: str, rid: str, decode: Callable[[list[int]], s
 def build_router(runtime: Runtime, record_step, record_error, validate: Optional[str] = None) -> APIRouter:
     """`validate`: check each chat request as that provider does first (--validate)."""
     router = APIRouter()
-    created = int(time.time())
     upstream = runtime.backend.name == "upstream"
 
+    created = int(time.time())
     def card() -> dict:
         return {"id": runtime.model_id, "object": "model", "created": created, "owned_by": "session-runtime"}
 
@@ -138,15 +138,15 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request, caller: Caller = Depends(current_caller)):
         """A client that disconnects, plain or streamed, cancels the step."""
-        return await cancellable(request, lambda cancel: complete(body, caller, cancel))
-
-    def complete(body: ChatRequest, caller: Caller, cancel):
-        if validate is not None:  # a validating upstream: the provider's refusal, else answer it here
+        if validate in CHAT_PROTOCOLS:  # a validating upstream: the provider's refusal, else answer it here
             refused = validation_error(validate, request_body(body))
             if refused is not None:
                 return refused
             body = body.model_copy(update={"messages": answerable(body.messages), "model": None})
         if upstream and not body.conversation_id:  # the client's transcript, to the provider
+        return await cancellable(request, lambda cancel: complete(body, caller, cancel))
+
+    def complete(body: ChatRequest, caller: Caller, cancel):
             return proxy_completion(runtime.backend, request_body(body), record_step)
         if body.model is not None and not upstream:
             _check_model(runtime, body.model)
@@ -221,6 +221,7 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
                                  media_type="text/event-stream")
 
     return router
+    router.complete = complete  # the other inbound protocols answer through it (api/protocol_routes.py)
 
 
 def _check_model(runtime: Runtime, model: str) -> None:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from session_runtime.protocols import get_protocol
 
 STRIPPER_HEADER = "x-session-runtime-stripper"
+CHAT_PROTOCOLS = ("deepseek", "openai-chat")  # the protocols of /v1/chat/completions
 
 
 def request_body(body) -> dict:

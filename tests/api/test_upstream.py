@@ -247,3 +247,57 @@ def test_a_conversation_keeps_the_providers_message_and_strips_only_on_the_way_o
         trace = c.get(f"/v1/conversations/{cid}").json()["trace"]
         assert [m["reasoning"] for m in trace if m["role"] == "assistant"] == ["I need calc.", "The tool said 4.", "End."]
         c.close()
+
+
+# ----- Anthropic Messages and OpenAI Responses: inbound, validated, and as the upstream ----------------
+
+
+@pytest.fixture(scope="module", params=["anthropic", "openai-responses"])
+def protocol_validator(request, validator):
+    """The validator's engine behind `--validate PROTOCOL` (Anthropic's base URL has no /v1)."""
+    live = start_server(validator.runtime, ApiSettings(validate=request.param))
+    yield request.param, live
+    live.stop()
+
+
+REFUSED = {
+    "anthropic": ("/v1/messages", {
+        "model": "claude-sonnet-4-5", "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                        "input": {"location": "Paris"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                   "content": "15 C"}]}]},
+        "Expected `thinking` or `redacted_thinking`"),
+    "openai-responses": ("/v1/responses", {
+        "model": "gpt-5", "store": False, "reasoning": {"effort": "medium"}, "max_output_tokens": 4, "input": [
+            {"role": "user", "content": "Temp in Paris?"},
+            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_temp",
+             "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "15"}]},
+        "without its required 'reasoning' item"),
+}
+
+
+def test_inbound_refusals_are_the_providers_own(protocol_validator):
+    protocol, live = protocol_validator
+    path, body, text = REFUSED[protocol]
+    r = httpx.post(live.url + path, json=body, timeout=60)
+    assert r.status_code == 400 and text in json.dumps(r.json()), r.text
+
+
+def test_a_conversation_runs_through_an_anthropic_or_responses_upstream(protocol_validator):
+    protocol, live = protocol_validator
+    base = live.url if protocol == "anthropic" else live.url + "/v1"
+    with served(backend="upstream", upstream_url=base, upstream_protocol=protocol, upstream_model="m") as proxy:
+        c = httpx.Client(base_url=proxy.url, timeout=120)
+        cid = c.post("/v1/conversations", json={"system": "Be brief."}).json()["id"]
+        for text in ("Hello", "Again"):
+            step = c.post(f"/v1/conversations/{cid}/messages", json={"content": text, "max_tokens": 3}).json()
+            assert step["accounting"]["upstream"]["protocol"] == protocol, step
+        trace = c.get(f"/v1/conversations/{cid}").json()["trace"]
+        assert [m["role"] for m in trace] == ["user", "assistant", "user", "assistant"]
+        # The provider's own message went back next turn: kept verbatim in the trace layer.
+        wire = proxy.runtime.get(cid).trace[1].message.wire
+        assert json.loads(wire)["protocol"] == protocol
+        c.close()
