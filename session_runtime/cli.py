@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "read and change every conversation)")
     from session_runtime.replay import add_arguments as replay_arguments
 
-    replay_arguments(sub.add_parser("replay", help="replay a JSONL agent trace with forced output, "
+    replay_arguments(sub.add_parser("replay", help="replay recorded agent traces with forced output, "
                                                    "print keep-vs-drop accounting"))
     return parser
 

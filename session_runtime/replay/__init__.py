@@ -1,13 +1,16 @@
 """Replay a recorded agent trace through the embedded runtime with forced output.
 
     session-runtime replay examples/sample_trace.jsonl --policy keep --policy drop
+    session-runtime replay examples/traces 'jobs/**/trajectory.json' --compare
 
-The trace is JSONL (examples/TRACE_FORMAT.md): an optional first line
-`{"type": "conversation", "system": ..., "tools": [...]}`, then one message a
-line: `{"role": "user", "content": ...}`, `{"role": "assistant", "reasoning":
-..., "content": ..., "tool_calls": [{"name": ..., "arguments": {...}}]}` and
-`{"role": "tool", "content": ...}` (tool results answer the previous
-assistant's calls, in order).
+A trace is our JSONL (an optional first line `{"type": "conversation",
+"system": ..., "tools": [...]}`, then one message a line), a Harbor ATIF
+trajectory, OpenAI chat messages or Anthropic messages (formats/, detected per
+file; examples/TRACE_FORMAT.md). Every reader goes through one state machine
+(builder.py): tool results are matched to their calls by id, a leading
+greeting is folded into the system prompt and a trailing unanswered user
+message skipped, with notes. Many traces replay in one Runtime, and each
+policy's totals are summed over them (batch.py).
 
 Every assistant message is appended as forced output, so each policy sees the
 identical conversation and the accounting differs only by what the policy
@@ -25,9 +28,12 @@ from session_runtime.replay.command import add_arguments, run_command
 from session_runtime.replay.report import Progress, describe_run, format_table, totals_table, turn_table
 from session_runtime.replay.run import ReplayError, ReplayResult, RunSpec, TurnResult, parse_run_spec, replay
 from session_runtime.replay.trace import Trace, TraceError, TraceStep, TraceTurn, load_trace, parse_trace
+from session_runtime.replay.formats import FORMATS, collect_paths, detect
+from session_runtime.replay.formats import load as load_any
 
 __all__ = [
     "add_arguments", "run_command", "Progress", "describe_run", "format_table", "totals_table", "turn_table",
     "ReplayError", "ReplayResult", "RunSpec", "TurnResult", "parse_run_spec", "replay",
     "Trace", "TraceError", "TraceStep", "TraceTurn", "load_trace", "parse_trace",
+    "FORMATS", "collect_paths", "detect", "load_any",
 ]
