@@ -8,6 +8,7 @@ and reuses the same KV.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
@@ -77,6 +78,18 @@ def _tool_call(c: dict, i: int) -> ToolCall:
     if not isinstance(args, dict) or not isinstance(fn.get("name"), str):
         raise InvalidRequest(f"messages[{i}]: tool calls need function.name and object arguments")
     return ToolCall(id=str(c.get("id", "")), name=fn["name"], arguments=args)
+
+
+def with_chat_wire(messages: Sequence[Message], raw: Sequence[dict]) -> list[Message]:
+    """Upstream mode: each assistant message keeps the client's own chat message
+    as its wire form (`content: null` and every field as sent), so it goes to a
+    chat upstream exactly as the client wrote it. `messages` are
+    `client_messages(raw)`, one per raw message."""
+    import json
+
+    assert len(messages) == len(raw), "one Message per client message"
+    return [dataclasses.replace(m, wire=json.dumps({"protocol": "chat", "message": r}, ensure_ascii=False))
+            if m.role == "assistant" else m for m, r in zip(messages, raw)]
 
 
 def same_history(conv: Conversation, messages: Sequence[Message]) -> bool:

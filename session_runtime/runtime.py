@@ -202,6 +202,8 @@ class Runtime(RuntimeInspection):
                 return False
             self.materializer.cancel(conv.id)
             conv.system, conv.tools = system, list(tools)
+            if self.backend.wants_transcript:  # upstream mode: the client's assistant messages go back as sent
+                messages = importer.with_chat_wire(messages, raw_messages)
             importer.adopt(conv, tpl, messages)
             conv.version += 1
             self._persist(conv)
@@ -513,10 +515,10 @@ class Runtime(RuntimeInspection):
         assistant = Message("assistant", turn, content=parsed.content, reasoning=reasoning,
                             tool_calls=parsed.tool_calls, output_ids=tuple(result.output),
                             wire=result.wire.wire if result.wire is not None else "")
-        acc = result.accounting
         if result.wire is not None:  # upstream mode: the provider's message and call ids, verbatim
             parsed = dataclasses.replace(parsed, reasoning=result.wire.reasoning, content=result.wire.content,
                                          tool_calls=tuple(result.wire.calls))
+        acc = result.accounting
         if new[0].role == "user":
             prev = conv.turns[-1] if conv.turns else None
             state = turn_rules.cache_state((acc.cached_input_tokens or 0) + acc.host_loaded_tokens,

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 from session_runtime.protocols.canonical import Reply, reasoning_text
 from session_runtime.templates.base import Message, ToolCall, tool_schema
 
+CHAT = ("deepseek", "openai-chat")  # a client's chat message ("chat" wire) goes to either as it is
 # The provider's finish reasons that mean the token budget ran out.
 _LENGTH = {"length", "max_tokens", "max_output_tokens", "incomplete"}
 
@@ -38,7 +39,8 @@ def wire_of(protocol: str, message: Message) -> Optional[object]:
     if not message.wire:
         return None
     stored = json.loads(message.wire)
-    return stored["message"] if stored.get("protocol") == protocol else None
+    same = stored.get("protocol") == protocol or (stored.get("protocol") == "chat" and protocol in CHAT)
+    return stored["message"] if same else None
 
 
 def request_body(protocol: str, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],

@@ -249,6 +249,25 @@ def test_a_conversation_keeps_the_providers_message_and_strips_only_on_the_way_o
         c.close()
 
 
+def test_a_chat_completion_with_conversation_id_sends_the_clients_messages_as_written(scripted):
+    """A stateful chat client: its assistant messages go upstream as it wrote
+    them (content null, the open chain's reasoning), and the answer continues
+    the conversation."""
+    scripted.replies[:] = [{"role": "assistant", "content": "4.", "reasoning_content": "Done."}]
+    scripted.requests.clear()
+    mine = {"role": "assistant", "content": None, "reasoning_content": "Call calc.", "tool_calls": [CALL],
+            "refusal": None}
+    messages = [{"role": "user", "content": "2+2?"}, mine, {"role": "tool", "tool_call_id": "call_up_7", "content": "4"}]
+    with served(backend="upstream", upstream_url=scripted.url, upstream_model="m") as live:
+        r = httpx.post(live.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": messages, "conversation_id": "chat-1", "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "4."
+        assert scripted.requests[0]["messages"][1] == mine
+        assert [m.role for m in (e.message for e in live.runtime.get("chat-1").trace)] == \
+            ["user", "assistant", "tool", "assistant"]
+
+
 # ----- Anthropic Messages and OpenAI Responses: inbound, validated, and as the upstream ----------------
 
 
