@@ -149,9 +149,6 @@ def _check_model(model: str) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     _check_model(args.model)
-    return RuntimeConfig(
-        model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
-        pool_tokens=args.pool_tokens, max_context=args.max_context, max_tokens_limit=args.max_tokens_limit,
     if args.upstream and args.backend == "sglang":
         raise ValueError("--upstream answers steps with a provider's API: it does not go with --backend sglang")
     if args.upstream and args.validate:
@@ -159,24 +156,24 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     upstream = bool(args.upstream) or args.backend == "upstream"
     if upstream and not args.upstream:
         raise ValueError("--backend upstream needs --upstream URL")
-        seed=args.seed,
+    return RuntimeConfig(
         upstream_url=args.upstream, upstream_protocol=args.upstream_protocol, upstream_key=args.upstream_key,
         upstream_model=args.upstream_model, upstream_timeout_s=args.upstream_timeout_s,
         upstream_params=tuple(_param(p) for p in args.upstream_param),
         reasoning_passthrough=args.reasoning_passthrough or passthrough_from_env(),
         keep_tool_turn_reasoning=args.keep_tool_turn_reasoning,
+        model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
+        pool_tokens=args.pool_tokens, max_context=args.max_context, max_tokens_limit=args.max_tokens_limit,
+        seed=args.seed,
         policy=args.policy, template=args.template, data_dir=args.data_dir or None,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
-        backend=args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
+        backend="upstream" if upstream else args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
         workers=args.workers, placement_epsilon=args.placement_epsilon,
         sglang_max_running=args.sglang_max_running, request_deadline_s=args.request_deadline_s,
         max_conversations_per_tenant=args.max_conversations_per_tenant,
     )
 
 
-def _split_args(flags: list[str]) -> list[str]:
-    """`--sglang-arg=--x=1` and `--sglang-arg='--x 1'` both give SGLang `--x 1`."""
-    out: list[str] = []
 def _param(text: str) -> tuple[str, str]:
     """`NAME=JSON` of --upstream-param. Raises ValueError."""
     name, sep, value = text.partition("=")
@@ -185,6 +182,9 @@ def _param(text: str) -> tuple[str, str]:
     return name.strip(), value
 
 
+def _split_args(flags: list[str]) -> list[str]:
+    """`--sglang-arg=--x=1` and `--sglang-arg='--x 1'` both give SGLang `--x 1`."""
+    out: list[str] = []
     for flag in flags:
         for part in flag.split():
             out.extend(part.split("=", 1) if part.startswith("--") and "=" in part else [part])

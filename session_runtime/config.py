@@ -124,9 +124,6 @@ class RuntimeConfig:
     sglang_max_running: int = 32  # --max-running-requests of a launched server
     request_deadline_s: float = 600.0  # a step still running after this fails (408) and changes nothing; 0: none
     max_conversations_per_tenant: int = 10000  # a tenant's conversations the server keeps; 0: no limit
-
-    def __post_init__(self) -> None:
-        if self.page_size < 1:
     # Upstream proxy mode (backend "upstream"): steps are answered by a provider's
     # API at upstream_url (its SDK's base_url: OpenAI-style up to and including
     # /v1, Anthropic's without), spoken in upstream_protocol.
@@ -142,6 +139,9 @@ class RuntimeConfig:
     # hatch); keep_tool_turn_reasoning keeps tool-call turns' reasoning (DeepSeek's documented rule).
     reasoning_passthrough: bool = False
     keep_tool_turn_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.pool_tokens < self.page_size:
             raise ValueError("pool_tokens must hold at least one page")

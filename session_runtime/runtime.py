@@ -156,12 +156,12 @@ class Runtime(RuntimeInspection):
             raise InvalidRequest("tools must be a list of objects")
         template = template or self.config.template
         self.template(template)
+        if self.backend.name == "upstream":
+            materialize = "never"  # no KV here: a canonical branch would be a provider request for nothing
         if offload not in (None, "never") and not self.backend.supports_offload:
             raise InvalidRequest(f"offload {offload!r} needs a host tier; the {self.backend.name} backend "
                                  "has none: use offload 'never'")
         if conversation_id is not None and (not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 128):
-        if self.backend.name == "upstream":
-            materialize = "never"  # no KV here: a canonical branch would be a provider request for nothing
             raise InvalidRequest("conversation_id must be a string of 1 to 128 characters")
         conv = Conversation(
             id=conversation_id or uuid.uuid4().hex[:16], system=system or None, tools=list(tools or ()),
@@ -198,12 +198,12 @@ class Runtime(RuntimeInspection):
         with self._locked(conversation_id) as conv:
             tpl = self.template(conv.template)
             messages = importer.client_messages(tpl, raw_messages)
+            if self.backend.wants_transcript:  # upstream mode: the client's assistant messages go back as sent
+                messages = importer.with_chat_wire(messages, raw_messages)
             if conv.system == system and conv.tools == list(tools) and importer.same_history(conv, messages):
                 return False
             self.materializer.cancel(conv.id)
             conv.system, conv.tools = system, list(tools)
-            if self.backend.wants_transcript:  # upstream mode: the client's assistant messages go back as sent
-                messages = importer.with_chat_wire(messages, raw_messages)
             importer.adopt(conv, tpl, messages)
             conv.version += 1
             self._persist(conv)
@@ -463,13 +463,13 @@ class Runtime(RuntimeInspection):
             counterfactual = self._counterfactual(conv, tpl, ns, new) if first and not self.backend.wants_transcript \
                 else None
             self.backend.reload(conv.id, ns, rendered.ids)  # host tier -> device, outside the engine lock
+            transcript = None
+            if self.backend.wants_transcript:  # upstream mode: the provider answers from the messages
+                transcript = Transcript(conv.system, conv.tools, [e.message for e in conv.trace] + new, tpl)
             result = self.backend.step(
                 StepRequest(
                     owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,
                     forced=forced_ids, history_len=history_len,
-            transcript = None
-            if self.backend.wants_transcript:  # upstream mode: the provider answers from the messages
-                transcript = Transcript(conv.system, conv.tools, [e.message for e in conv.trace] + new, tpl)
                     cache_output=conv.policy.caches_output, hold_chain=conv.policy.holds_chain,
                     on_token=on_token, cancel=cancel, transcript=transcript,
                 )
@@ -511,13 +511,13 @@ class Runtime(RuntimeInspection):
         """Record a successful step in every layer, then close the turn if it ended."""
         step_index = 0 if new[0].role == "user" else len(conv.turns[-1].steps)
         parsed = tpl.parse_output(result.output, f"call_{turn}_{step_index}")
+        if result.wire is not None:  # upstream mode: the provider's message and call ids, verbatim
+            parsed = dataclasses.replace(parsed, reasoning=result.wire.reasoning, content=result.wire.content,
+                                         tool_calls=tuple(result.wire.calls))
         reasoning = parsed.reasoning
         assistant = Message("assistant", turn, content=parsed.content, reasoning=reasoning,
                             tool_calls=parsed.tool_calls, output_ids=tuple(result.output),
                             wire=result.wire.wire if result.wire is not None else "")
-        if result.wire is not None:  # upstream mode: the provider's message and call ids, verbatim
-            parsed = dataclasses.replace(parsed, reasoning=result.wire.reasoning, content=result.wire.content,
-                                         tool_calls=tuple(result.wire.calls))
         acc = result.accounting
         if new[0].role == "user":
             prev = conv.turns[-1] if conv.turns else None

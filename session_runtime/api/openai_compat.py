@@ -120,8 +120,8 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
     """`validate`: check each chat request as that provider does first (--validate)."""
     router = APIRouter()
     upstream = runtime.backend.name == "upstream"
-
     created = int(time.time())
+
     def card() -> dict:
         return {"id": runtime.model_id, "object": "model", "created": created, "owned_by": "session-runtime"}
 
@@ -143,10 +143,10 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
             if refused is not None:
                 return refused
             body = body.model_copy(update={"messages": answerable(body.messages), "model": None})
-        if upstream and not body.conversation_id:  # the client's transcript, to the provider
         return await cancellable(request, lambda cancel: complete(body, caller, cancel))
 
     def complete(body: ChatRequest, caller: Caller, cancel):
+        if upstream and not body.conversation_id:  # the client's transcript, to the provider
             return proxy_completion(runtime.backend, request_body(body), record_step)
         if body.model is not None and not upstream:
             _check_model(runtime, body.model)
@@ -220,8 +220,8 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
         return StreamingResponse(sse_step(run, tpl, fmt, first, cancel, on_late_error=record_error),
                                  media_type="text/event-stream")
 
-    return router
     router.complete = complete  # the other inbound protocols answer through it (api/protocol_routes.py)
+    return router
 
 
 def _check_model(runtime: Runtime, model: str) -> None:

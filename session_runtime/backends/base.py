@@ -234,8 +234,8 @@ def create_backend(config, tokenizer) -> Backend:
         from session_runtime.backends.sglang import build
 
         return build(config, tokenizer)
-    raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
-        return build(config, tokenizer)
     if config.backend == "upstream":
         from session_runtime.backends.upstream import build
 
+        return build(config, tokenizer)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
