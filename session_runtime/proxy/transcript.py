@@ -123,9 +123,10 @@ def _responses(protocol, system, tools, messages, params) -> dict:
     body = {"store": False, "include": ["reasoning.encrypted_content"], **params, "input": items}
     if system:
         body["instructions"] = system
-    if tools:
+    if tools:  # Responses makes a function strict unless told otherwise; chat's are not (unless they say so)
         body["tools"] = [{"type": "function", "name": f["name"], "description": f.get("description", ""),
-                          "parameters": f.get("parameters", {"type": "object"})} for f in map(tool_schema, tools)]
+                          "parameters": f.get("parameters", {"type": "object"}), "strict": f.get("strict") is True}
+                         for f in map(tool_schema, tools)]
     return body
 
 

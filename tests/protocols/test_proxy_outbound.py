@@ -1,0 +1,103 @@
+"""The upstream proxy's pure parts, no HTTP: a conversation's trace as each
+protocol's request body (proxy/transcript.py), a provider's answer as what the
+trace records, and the one outbound stripper (proxy/outbound.py) over a fake
+client."""
+
+from __future__ import annotations
+
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from session_runtime.protocols import NAMES, StripOptions, get_protocol
+from session_runtime.proxy.outbound import Outbound
+from session_runtime.proxy.transcript import reply_parts, request_body
+from session_runtime.templates.base import Message, ToolCall
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate",
+                                           "parameters": {"type": "object", "properties": {"e": {"type": "string"}}}}}]
+PARAMS = {"model": "m", "max_tokens": 8, "temperature": 0.0}
+
+# A provider's answer per protocol: reasoning, text and two tool calls.
+ANSWERS = {
+    "deepseek": {"id": "a", "object": "chat.completion", "model": "m", "choices": [{"index": 0, "message": {
+        "role": "assistant", "content": None, "reasoning_content": "need calc", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": "{\"e\":\"1\"}"}},
+            {"id": "call_2", "type": "function", "function": {"name": "calc", "arguments": "{\"e\":\"2\"}"}}]},
+        "finish_reason": "tool_calls"}], "usage": {"prompt_tokens": 3, "completion_tokens": 4}},
+    "anthropic": {"id": "msg_1", "type": "message", "role": "assistant", "model": "c", "content": [
+        {"type": "thinking", "thinking": "need calc", "signature": "S1"},
+        {"type": "text", "text": "let me see"},
+        {"type": "tool_use", "id": "call_1", "name": "calc", "input": {"e": "1"}},
+        {"type": "thinking", "thinking": "and again", "signature": "S2"},
+        {"type": "tool_use", "id": "call_2", "name": "calc", "input": {"e": "2"}}],
+        "stop_reason": "tool_use", "usage": {"input_tokens": 3, "output_tokens": 4}},
+    "openai-responses": {"id": "resp_1", "object": "response", "model": "g", "status": "completed", "output": [
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "need calc"}],
+         "encrypted_content": "gAAAA1"},
+        {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "let me see", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "calc", "arguments": "{\"e\":\"1\"}",
+         "status": "completed"},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "and again"}],
+         "encrypted_content": "gAAAA2"},
+        {"type": "function_call", "id": "fc_2", "call_id": "call_2", "name": "calc", "arguments": "{\"e\":\"2\"}",
+         "status": "completed"}],
+        "usage": {"input_tokens": 3, "output_tokens": 4}},
+}
+ANSWERS["openai-chat"] = ANSWERS["deepseek"]
+
+
+def local_history() -> list[Message]:
+    """A history no provider wrote (no wire): two turns, tool calls in both."""
+    return [
+        Message("user", 0, "hi"),
+        Message("assistant", 0, "", reasoning="think 1", tool_calls=(ToolCall("c1", "calc", {"e": "1"}),)),
+        Message("tool", 0, "2", tool_call_id="c1"),
+        Message("assistant", 0, "done", reasoning="think 2"),
+        Message("user", 1, "again"),
+        Message("assistant", 1, "", reasoning="think 3",
+                tool_calls=(ToolCall("c2", "calc", {"e": "2"}), ToolCall("c3", "calc", {"e": "3"}))),
+        Message("tool", 1, "x", tool_call_id="c2"),
+        Message("tool", 1, "y", tool_call_id="c3"),
+    ]
+
+
+def answered(protocol: str) -> tuple[list[Message], object]:
+    """A history whose middle assistant message is the provider's answer
+    (kept verbatim as its wire), then its results, a reply and a new question."""
+    body = ANSWERS[protocol]
+    parts = reply_parts(protocol, body, get_protocol(protocol).parse_response(body))
+    message = Message("assistant", 0, parts.content, parts.reasoning, parts.calls, wire=parts.wire)
+    results = [Message("tool", 0, f"r{c.id}", tool_call_id=c.id) for c in parts.calls]
+    return [Message("user", 0, "q"), message, *results, Message("assistant", 0, "ok", reasoning="fin"),
+            Message("user", 1, "q2")], parts
+
+
+def outbound(protocol: str, **options) -> Outbound:
+    client = SimpleNamespace(protocol=protocol)  # prepare never posts
+    return Outbound(client, lambda text: len(text.split()), StripOptions(**options))
+
+
+# ----- transcript.py: bodies the adapters read --------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", NAMES)
+def test_a_local_history_is_a_body_its_protocol_reads_back_and_accepts(protocol):
+    body = request_body(protocol, "be brief", TOOLS, local_history(), PARAMS)
+    adapter = get_protocol(protocol)
+    assert adapter.render_request(adapter.parse_request(body)) == body
+    assert adapter.validate(body) is None
+
+
+def test_responses_tools_keep_chats_non_strict_default():
+    """Responses makes a function tool strict (its schema normalized: every
+    property required) unless `strict` says otherwise; a chat tool is not
+    strict unless it says so."""
+    strict = {"type": "function", "function": {"name": "exact", "parameters": {"type": "object"}, "strict": True}}
+    body = request_body("openai-responses", None, [*TOOLS, strict], local_history(), PARAMS)
+    assert [(t["name"], t["strict"]) for t in body["tools"]] == [("calc", False), ("exact", True)]
+    assert body["tools"][0] == {"type": "function", "name": "calc", "description": "evaluate",
+                                "parameters": TOOLS[0]["function"]["parameters"], "strict": False}
