@@ -101,3 +101,74 @@ def test_responses_tools_keep_chats_non_strict_default():
     assert [(t["name"], t["strict"]) for t in body["tools"]] == [("calc", False), ("exact", True)]
     assert body["tools"][0] == {"type": "function", "name": "calc", "description": "evaluate",
                                 "parameters": TOOLS[0]["function"]["parameters"], "strict": False}
+
+
+@pytest.mark.parametrize("protocol", NAMES)
+def test_the_providers_answer_goes_back_verbatim_in_the_next_body(protocol):
+    history, parts = answered(protocol)
+    body = request_body(protocol, "be brief", TOOLS, history, PARAMS)
+    adapter = get_protocol(protocol)
+    assert adapter.render_request(adapter.parse_request(body)) == body
+    assert adapter.validate(body) is None
+    wire = json.loads(parts.wire)["message"]
+    answer = ANSWERS[protocol]
+    if protocol in ("deepseek", "openai-chat"):
+        assert body["messages"][2] == answer["choices"][0]["message"]  # content null, reasoning, call ids
+        assert body["messages"][2]["content"] is None
+    elif protocol == "anthropic":
+        assert body["messages"][1] == {"role": "assistant", "content": answer["content"]} == wire
+        assert [b["type"] for b in body["messages"][2]["content"]] == ["tool_result", "tool_result"]
+    else:
+        assert body["input"][1:6] == answer["output"] == wire  # every output item, in order
+        assert body["store"] is False and body["include"] == ["reasoning.encrypted_content"]
+
+
+def test_reply_parts_of_each_protocols_answer():
+    for protocol in NAMES:
+        body = ANSWERS[protocol]
+        parts = reply_parts(protocol, body, get_protocol(protocol).parse_response(body))
+        assert [(c.id, c.arguments) for c in parts.calls] == [("call_1", {"e": "1"}), ("call_2", {"e": "2"})]
+        assert parts.finish_reason == "stop"
+        if protocol in ("deepseek", "openai-chat"):
+            assert (parts.reasoning, parts.content) == ("need calc", "")
+        else:  # several reasoning blocks or items, the text between the calls
+            assert (parts.reasoning, parts.content) == ("need calc\n\nand again", "let me see")
+
+
+# ----- outbound.py: the stripper over a fake client -------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", NAMES)
+def test_prepare_strips_earlier_turns_and_leaves_the_clients_body_alone(protocol):
+    history, _ = answered(protocol)
+    body = request_body(protocol, "be brief", TOOLS, history, PARAMS)
+    before = copy.deepcopy(body)
+    sent, account = outbound(protocol).prepare(body)
+    assert body == before
+    # chat sends the local reply's reasoning too; the others cannot (no signature, no encrypted item)
+    assert account.mode == "lenient"
+    assert account.messages_stripped == (2 if protocol in ("deepseek", "openai-chat") else 1)
+    assert account.stripped_tokens > 0 and account.sent_reasoning_tokens == 0
+    assert "need calc" not in json.dumps(sent) and "need calc" in json.dumps(body)
+    sent_again, _ = outbound(protocol, passthrough=True).prepare(body)
+    assert sent_again == body == before
+
+
+def test_content_null_goes_out_as_null():
+    history, _ = answered("deepseek")
+    body = request_body("deepseek", None, [], history, PARAMS)
+    sent, _ = outbound("deepseek").prepare(body)
+    assert sent["messages"][1] == {"role": "assistant", "content": None,
+                                   "tool_calls": ANSWERS["deepseek"]["choices"][0]["message"]["tool_calls"]}
+
+
+def test_responses_requests_own_reasoning_context_keeps_every_turn():
+    history, _ = answered("openai-responses")
+    params = {**PARAMS, "reasoning": {"effort": "high", "context": "all_turns"}}
+    body = request_body("openai-responses", None, [], history, params)
+    sent, account = outbound("openai-responses").prepare(body)
+    assert sent == body and account.messages_stripped == 0
+    sent, account = outbound("openai-responses", context="all_turns").prepare(
+        request_body("openai-responses", None, [], history, PARAMS))
+    assert account.messages_stripped == 0 and "gAAAA1" in json.dumps(sent)
+
