@@ -91,7 +91,8 @@ def _anthropic(protocol, system, tools, messages, params) -> dict:
                 blocks = [{"type": "text", "text": m.content}] if m.content else []
                 blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in m.tool_calls]
                 wire = {"role": "assistant", "content": blocks}
-            out.append(wire)
+            if wire["content"]:  # Anthropic refuses an empty message (its own empty end_turn answer included)
+                out.append(wire)
     body = {**params, "messages": out}
     body.setdefault("max_tokens", 1024)  # Anthropic requires it
     if system:

@@ -172,3 +172,17 @@ def test_responses_requests_own_reasoning_context_keeps_every_turn():
         request_body("openai-responses", None, [], history, PARAMS))
     assert account.messages_stripped == 0 and "gAAAA1" in json.dumps(sent)
 
+
+def test_an_empty_anthropic_answer_is_left_out_of_the_next_body():
+    """Claude may answer tool results with no content at all (end_turn);
+    Anthropic refuses a request holding an empty non-final message, so it is
+    left out and the results and the next question make one user turn."""
+    empty = {"id": "msg_2", "type": "message", "role": "assistant", "model": "c", "content": [],
+             "stop_reason": "end_turn", "usage": {"input_tokens": 3, "output_tokens": 1}}
+    parts = reply_parts("anthropic", empty, get_protocol("anthropic").parse_response(empty))
+    history = [Message("user", 0, "q"), Message("assistant", 0, "", tool_calls=(ToolCall("c1", "calc", {}),)),
+               Message("tool", 0, "2", tool_call_id="c1"), Message("assistant", 0, parts.content, wire=parts.wire),
+               Message("user", 1, "and?"), Message("assistant", 1, ""), Message("user", 2, "well?")]
+    body = request_body("anthropic", None, [], history, PARAMS)
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user", "user", "user"]
+    assert all(m["content"] for m in body["messages"])
