@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from session_runtime.protocols.anthropic import thinking_enabled
 from session_runtime.protocols.canonical import Reply, reasoning_text
 from session_runtime.templates.base import Message, ToolCall, tool_schema
 
@@ -95,6 +96,11 @@ def _anthropic(protocol, system, tools, messages, params) -> dict:
                 out.append(wire)
     body = {**params, "messages": out}
     body.setdefault("max_tokens", 1024)  # Anthropic requires it
+    if thinking_enabled(body):  # thinking refuses any temperature but 1 and a top_p below 0.95
+        if body.get("temperature", 1) != 1:
+            del body["temperature"]
+        if body.get("top_p", 1) < 0.95:
+            del body["top_p"]
     if system:
         body["system"] = system
     if tools:

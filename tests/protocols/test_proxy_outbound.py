@@ -186,3 +186,15 @@ def test_an_empty_anthropic_answer_is_left_out_of_the_next_body():
     body = request_body("anthropic", None, [], history, PARAMS)
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user", "user", "user"]
     assert all(m["content"] for m in body["messages"])
+
+
+def test_anthropic_thinking_goes_out_without_the_sampling_it_refuses():
+    """With thinking on, Anthropic refuses a temperature other than 1 and a
+    top_p below 0.95 (the runtime's default is greedy, temperature 0)."""
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    for sampling, kept in (({"temperature": 0.0, "top_p": 0.5}, {}), ({"temperature": 1, "top_p": 0.95},
+                                                                       {"temperature": 1, "top_p": 0.95})):
+        body = request_body("anthropic", None, [], local_history(), {**PARAMS, **sampling, "thinking": thinking})
+        assert {k: body[k] for k in ("temperature", "top_p") if k in body} == kept
+    body = request_body("anthropic", None, [], local_history(), {**PARAMS, "top_p": 0.5})
+    assert (body["temperature"], body["top_p"]) == (0.0, 0.5)  # thinking off: as asked
