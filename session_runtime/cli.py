@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--placement-epsilon", type=float, default=_DEFAULTS.placement_epsilon,
                        help="many workers: no worker holds more than (1 + epsilon) x the mean number of "
                             "conversations (consistent hashing with bounded loads)")
+    serve.add_argument("--router-url", default=None,
+                       help="many workers: a running sglang-router over them, for requests without a "
+                            "conversation (default: the runtime launches one with --policy cache_aware)")
     serve.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
                        help="an extra flag for the SGLang server the runtime launches (repeatable), "
                             "e.g. --sglang-arg=--chunked-prefill-size=2048")
@@ -168,7 +171,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         policy=args.policy, template=args.template, data_dir=args.data_dir or None,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend="upstream" if upstream else args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
-        workers=args.workers, placement_epsilon=args.placement_epsilon,
+        workers=args.workers, placement_epsilon=args.placement_epsilon, router_url=args.router_url,
         sglang_max_running=args.sglang_max_running, request_deadline_s=args.request_deadline_s,
         max_conversations_per_tenant=args.max_conversations_per_tenant,
     )

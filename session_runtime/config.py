@@ -120,6 +120,9 @@ class RuntimeConfig:
     # SGLang workers the runtime launches; None: one unless sglang_url names servers.
     workers: Optional[int] = None
     placement_epsilon: float = 0.25  # no worker above (1 + epsilon) x the mean load
+    # A running sglang-router over the workers, for stateless steps (requests
+    # without a conversation); None with several workers: the runtime launches one.
+    router_url: Optional[str] = None
     sglang_args: tuple[str, ...] = ()  # extra flags for a launched SGLang server
     sglang_max_running: int = 32  # --max-running-requests of a launched server
     request_deadline_s: float = 600.0  # a step still running after this fails (408) and changes nothing; 0: none
@@ -175,6 +178,8 @@ class RuntimeConfig:
             raise ValueError("workers must be >= 0, with backend 'sglang'")
         if self.workers == 0 and not self.sglang_urls:
             raise ValueError("workers 0 needs sglang_url: there would be no server")
+        if self.router_url is not None and self.backend != "sglang":
+            raise ValueError("router_url needs backend 'sglang'")
         if self.placement_epsilon <= 0:
             raise ValueError(f"placement_epsilon must be > 0, got {self.placement_epsilon}")
         if self.idle_ttl_s < 0:

@@ -569,40 +569,64 @@ class Runtime(RuntimeInspection):
         fork = turn_rules.common_prefix(generated, canonical)
         record.fork_tokens = fork
         acc = dataclasses.replace(acc, active_context_length=len(canonical))
-        self._shadow(conv, tpl, record, generated)
+        materialize: Optional[bool] = None  # this turn's real decision, when one is made
         if fork >= len(generated):
             conv.canonical_kind = "generated"  # nothing dropped: the chain is canonical
-            return self._chain_bytes(conv, acc)
-        conv.canonical_kind = "prefix"
-        if not conv.policy.holds_chain:
-            return self._chain_bytes(conv, acc)
-        # A's KV was computed after R: past the fork nothing may be reused. Hold
-        # the shared prefix (its partial page copied); a dropping policy frees
-        # the generated branch at once, where no other chain or step holds it.
-        self.backend.lock_prefix(conv.id, ns, canonical[:fork], free_branch=conv.policy.may_materialize)
-        if conv.policy.may_materialize:
-            ok, why = conv.materialize.decide(
-                reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
-                answer_tokens=len(canonical) - fork,
-                free_fraction=self.backend.free_fraction,
-                idle=self.materializer.waiting_users == 0,  # this request has already left
-            )
-            record.materialize = ("scheduled: " if ok else "skipped: ") + why
-            if ok:
-                self.materializer.submit(conv.id, canonical, ns)
-                conv.shadows["drop"] = canonical
+        else:
+            conv.canonical_kind = "prefix"
+        if fork < len(generated) and conv.policy.holds_chain:
+            # A's KV was computed after R: past the fork nothing may be reused. Hold
+            # the shared prefix (its partial page copied); a dropping policy frees
+            # the generated branch at once, where no other chain or step holds it.
+            self.backend.lock_prefix(conv.id, ns, canonical[:fork], free_branch=conv.policy.may_materialize)
+            if conv.policy.may_materialize:
+                materialize, why = conv.materialize.decide(
+                    reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
+                    answer_tokens=len(canonical) - fork,
+                    free_fraction=self.backend.free_fraction,
+                    idle=self.materializer.waiting_users == 0,  # this request has already left
+                )
+                record.materialize = ("scheduled: " if materialize else "skipped: ") + why
+                if materialize:
+                    self.materializer.submit(conv.id, canonical, ns)
+        # Under drop the shadow of drop is this very chain: the same decision, not a second one.
+        # A sampled step's last token was never fed (it has no KV), under either policy.
+        unfed = min(max(0, len(generated) - len(conv.chain_tokens)), len(conv.trace[-1].message.output_ids))
+        self._shadow(conv, tpl, record, materialize if conv.policy.name == "drop" else None, unfed)
         return self._chain_bytes(conv, acc)
 
-    def _shadow(self, conv: Conversation, tpl: Template, record: TurnRecord, generated: list[int]) -> None:
-        """What the keep and drop policies' chains would hold now that the turn
-        closed: keep, the generated sequence; drop, its canonical sequence up to
-        the fork (all of it when the branch is materialized: `_close_turn`
-        extends it when it schedules one, or `always` for other policies)."""
+    def _shadow(self, conv: Conversation, tpl: Template, record: TurnRecord,
+                drop_materializes: Optional[bool] = None, unfed: int = 0) -> None:
+        """Set `conv.shadows`: the chains (token ids, no KV) that the keep and drop
+        policies would hold now that turn `record.index` closed, had the
+        conversation run under each from its first turn, so that the next turn's
+        counterfactual is what that policy really pays, on every turn.
+
+        Each policy's generated sequence of this turn is its own rendering of the
+        trace before the closing output, plus that output (less its `unfed` last
+        tokens, which have no KV): every turn's reasoning under keep, only this
+        turn's under drop. Keep holds it whole. Drop holds
+        its common prefix with drop's canonical sequence (this turn's reasoning
+        dropped too), or the whole canonical sequence when drop would materialize
+        the branch under the conversation's own materialize setting:
+        `drop_materializes` is the real decision when the conversation runs drop;
+        otherwise the same `decide` is asked with drop's figures."""
         trace = [e.message for e in conv.trace]
-        dropped = tpl.render(conv.system, conv.tools, trace, turn_rules.keep_from(record.index + 1), False).ids
-        fork = turn_rules.common_prefix(generated, dropped)
-        whole = conv.materialize.mode == "always" and not conv.policy.may_materialize
-        conv.shadows = {"keep": list(generated), "drop": dropped if whole else dropped[:fork]}
+        *before, last = trace
+        t = record.index
+
+        def generated(keep) -> list[int]:
+            ids = tpl.render(conv.system, conv.tools, before, keep, True).ids + list(last.output_ids)
+            return ids[: len(ids) - unfed]
+
+        keep_chain, drop_generated = generated(turn_rules.keep_all), generated(turn_rules.keep_from(t))
+        canonical = tpl.render(conv.system, conv.tools, trace, turn_rules.keep_from(t + 1), False).ids
+        fork = turn_rules.common_prefix(drop_generated, canonical)
+        if drop_materializes is None and fork < len(drop_generated):
+            drop_materializes, _ = conv.materialize.decide(
+                reasoning_tokens=len(drop_generated) - len(canonical), answer_tokens=len(canonical) - fork,
+                free_fraction=self.backend.free_fraction, idle=self.materializer.waiting_users == 0)
+        conv.shadows = {"keep": keep_chain, "drop": canonical if drop_materializes else canonical[:fork]}
 
     def _chain_bytes(self, conv: Conversation, acc):
         """The step's KV figures as the closed turn left the chain."""

@@ -5,7 +5,8 @@ body field) maps a stateless client to a conversation's chain: the client's
 history is checked against the conversation's, the trailing user message or
 tool results run as one step, and a history that differs replaces the
 conversation's. Without `conversation_id` the request runs in a throw-away
-conversation whose KV stays in the tree (evictable) for prefix reuse.
+conversation whose KV stays in the tree (evictable) for prefix reuse; with
+many SGLang workers it goes through sglang-router, which picks the worker.
 `logprobs` and `top_logprobs` are honoured (top_logprobs on the embedded engine); parameters this
 server cannot honour (`tool_choice` other than auto,
 penalties, `logit_bias`, `response_format`, `stop`, `n` > 1) are refused with
@@ -260,7 +261,10 @@ def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str], ca
         cid = runtime.create_conversation(system, tools=body.tools, policy=body.policy, tenant=caller.tenant,
                                           conversation_id=body.conversation_id)
         return cid, None, True
-    return runtime.create_conversation(system, tools=body.tools, policy=body.policy, tenant=caller.tenant), None, True
+    # Throw-away: with many SGLang workers, sglang-router routes its step by the prefix it carries.
+    cid = runtime.create_conversation(system, tools=body.tools, policy=body.policy, tenant=caller.tenant,
+                                      stateless=True)
+    return cid, None, True
 
 
 def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False,

@@ -123,9 +123,11 @@ class Backend(ABC):
     @abstractmethod
     def step(self, req: StepRequest) -> StepResult: ...
 
-    def place(self, owner: str, worker: Optional[str] = None) -> Optional[str]:
+    def place(self, owner: str, worker: Optional[str] = None, stateless: bool = False) -> Optional[str]:
         """Many workers: the worker the conversation lives on (`worker`, a restored
-        placement, when it is still usable). One backend: None."""
+        placement, when it is still usable); a `stateless` one (a throw-away
+        conversation) may have none, its steps routed by sglang-router. One
+        backend: None."""
         return None
 
     def worker_of(self, owner: str) -> Optional[str]:

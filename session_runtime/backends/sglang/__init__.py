@@ -68,8 +68,9 @@ def _server_info(url: str) -> dict:
 def build(config, tokenizer):
     """Launch (or connect to) the server(s) and check each runs our backend: one
     SGLangBackend, or a WorkerPool when there are several (given URLs first, then
-    launched servers; ids w0, w1, ...). Raises InvalidRequest naming the cause
-    when one cannot start or is not ours."""
+    launched servers; ids w0, w1, ...), with sglang-router for stateless steps
+    (`router_url`, or one launched over the workers). Raises InvalidRequest
+    naming the cause when one cannot start or is not ours."""
     urls, launched = config.sglang_urls, config.launched_workers
     if len(urls) + launched == 1:
         return _worker(config, tokenizer, urls[0] if urls else None, 0)
@@ -80,11 +81,33 @@ def build(config, tokenizer):
         share = max(1, (os.cpu_count() or 1) // launched) if launched > 1 else None  # cores per launched server
         for i, url in enumerate([*urls, *[None] * launched]):
             workers[f"w{i}"] = _worker(config, tokenizer, url, i, share)
-        return WorkerPool(workers, epsilon=config.placement_epsilon)
+        router = _router(config, workers)
+        return WorkerPool(workers, epsilon=config.placement_epsilon, router=router)
     except BaseException:
         for w in workers.values():
             w.close()
         raise
+
+
+def _router(config, workers: dict[str, SGLangBackend]):
+    """sglang-router for the pool's stateless steps: the one at `router_url`, or
+    one launched over the workers (its log router.log beside the store)."""
+    from session_runtime.backends.sglang.router import RoutedBackend, RouterSpec, launch_router, serves
+
+    urls = [w.url for w in workers.values()]
+    like = next(iter(workers.values()))
+    if config.router_url:
+        url = config.router_url.rstrip("/")
+        if not _ready(url):
+            raise InvalidRequest(f"no sglang-router answers at {url}/health")
+        if not serves(url, urls):
+            logger.warning("the sglang-router at %s does not list every worker (%s) as healthy; stateless "
+                           "steps go wherever it routes them", url, ", ".join(urls))
+        return RoutedBackend(url, like)
+    log = str(Path(config.data_dir) / "router.log") if config.data_dir else None
+    server = launch_router(RouterSpec(worker_urls=tuple(urls), log_path=log))
+    logger.info("sglang-router at %s over %d workers, up in %.1f s", server.url, len(urls), server.started_s)
+    return RoutedBackend(server.url, like, router=server)
 
 
 def _worker(config, tokenizer, url, index: int, threads: Optional[int] = None) -> SGLangBackend:

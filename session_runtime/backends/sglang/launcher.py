@@ -171,16 +171,20 @@ def launch_env(spec: LaunchSpec, base: dict) -> dict:
     return env
 
 
-def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn=None) -> LaunchedServer:
+def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn=None,
+           env: Optional[dict] = None) -> LaunchedServer:
     """Start the server and wait until `ready(url)` returns True. `on_spawn` is
     called with the server as soon as its process exists, so that whoever may
     stop it meanwhile (a runtime shutting down) can; a server stopped during
-    start-up ends the wait. Raises LaunchFailed with the log's tail when the
-    process exits, is stopped or times out."""
+    start-up ends the wait. `spec` is a LaunchSpec, or anything with its `host`,
+    `port`, `log_path` and `argv(port)` when `env` is given (the router's).
+    Raises LaunchFailed with the log's tail when the process exits, is stopped
+    or times out."""
     port = spec.port or free_port(spec.host)
     url = f"http://{spec.host}:{port}"
     log_path = spec.log_path or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1]
-    env = launch_env(spec, os.environ)
+    env = launch_env(spec, os.environ) if env is None else env
+    what = getattr(spec, "name", "SGLang's server")
     t0 = time.monotonic()
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(spec.argv(port), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -191,11 +195,11 @@ def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn
     deadline = t0 + timeout_s
     while time.monotonic() < deadline:
         if server._stopped:
-            raise LaunchFailed(f"SGLang's server was stopped during start-up (log {log_path})")
+            raise LaunchFailed(f"{what} was stopped during start-up (log {log_path})")
         if not server.alive():
             tail = server.log_tail()
             server.stop()
-            raise LaunchFailed(f"SGLang's server exited with code {proc.returncode} during start-up "
+            raise LaunchFailed(f"{what} exited with code {proc.returncode} during start-up "
                                f"(log {log_path}):\n{tail}")
         if ready(url):
             server.started_s = time.monotonic() - t0
@@ -203,4 +207,4 @@ def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn
         time.sleep(0.5)
     tail = server.log_tail()
     server.stop()
-    raise LaunchFailed(f"SGLang's server was not ready within {timeout_s:.0f} s (log {log_path}):\n{tail}")
+    raise LaunchFailed(f"{what} was not ready within {timeout_s:.0f} s (log {log_path}):\n{tail}")

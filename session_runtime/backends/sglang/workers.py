@@ -14,6 +14,11 @@ KV is rebuilt there by prefill (its accounting counts the history as
 recomputed), and nothing acknowledged is lost because history lives in the
 runtime, not in the worker. A worker that answers again rejoins: new
 conversations may be placed on it.
+
+Stateless steps (a throw-away conversation, placed with `stateless=True`) go
+through `sglang-router` when the pool has one (`router.py`): it picks the
+worker whose cache holds their prefix. Without a router, or while it is down,
+they are placed like any conversation.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime import placement
 from session_runtime.backends.base import Backend, StepRequest, StepResult
 from session_runtime.backends.sglang.backend import SGLangBackend
+from session_runtime.backends.sglang.router import RoutedBackend, unfold
 from session_runtime.errors import BackendUnavailable, InvalidRequest
 from session_runtime.metrics import Sample, counter, gauge
 
@@ -38,7 +44,8 @@ class WorkerPool(Backend):
     name = "sglang"
     supports_offload = True
 
-    def __init__(self, workers: dict[str, SGLangBackend], epsilon: float = 0.25, health_interval_s: float = 2.0):
+    def __init__(self, workers: dict[str, SGLangBackend], epsilon: float = 0.25, health_interval_s: float = 2.0,
+                 router: Optional[RoutedBackend] = None):
         if not workers:
             raise InvalidRequest("no SGLang worker")
         first = next(iter(workers.values()))
@@ -54,6 +61,8 @@ class WorkerPool(Backend):
         self.vocab_size = min(w.vocab_size for w in workers.values())
         self.max_context = min(w.max_context for w in workers.values())
         self.where: dict[str, str] = {}  # conversation -> worker
+        self.router = router
+        self.stateless: set[str] = set()  # throw-away conversations: routed by the router while it is up
         self.up = {wid: True for wid in workers}
         self.draining: set[str] = set()
         self.moves = 0  # conversations moved off a dead or draining worker
@@ -67,10 +76,15 @@ class WorkerPool(Backend):
 
     # ----- placement ----------------------------------------------------------
 
-    def place(self, owner: str, worker: Optional[str] = None) -> str:
+    def place(self, owner: str, worker: Optional[str] = None, stateless: bool = False) -> Optional[str]:
         """The conversation's worker: `worker` (a restored placement) while it is
-        live and not draining, else a fresh placement."""
+        live and not draining, else a fresh placement. A stateless one has none
+        while the router is up (None): the router picks one for each step."""
         with self._lock:
+            if stateless and self.router is not None:
+                self.stateless.add(owner)
+                if self.router.available():
+                    return None
             if worker is not None and self._usable(worker):
                 self.where[owner] = worker
                 return worker
@@ -83,6 +97,7 @@ class WorkerPool(Backend):
     def forget(self, owner: str) -> None:
         with self._lock:
             self.where.pop(owner, None)
+            self.stateless.discard(owner)
 
     def _usable(self, wid: str) -> bool:
         return wid in self.workers and self.up[wid] and wid not in self.draining
@@ -104,8 +119,11 @@ class WorkerPool(Backend):
         return wid
 
     def _of(self, owner: str) -> SGLangBackend:
-        """The owner's worker; one that is down or draining hands it to a live one."""
+        """The owner's worker (a stateless owner's: the router while it is up);
+        one that is down or draining hands it to a live one."""
         with self._lock:
+            if owner in self.stateless and owner not in self.where and self.router.available():
+                return self.router
             wid = self.where.get(owner)
             if wid is None or not self._usable(wid):
                 old = wid
@@ -126,6 +144,9 @@ class WorkerPool(Backend):
         return live[0]
 
     def _mark(self, worker: SGLangBackend, exc: BaseException) -> None:
+        if worker is self.router:
+            logger.error("sglang-router at %s failed a stateless step: %s", worker.url, exc)
+            return
         wid = next(k for k, w in self.workers.items() if w is worker)
         with self._lock:
             was, self.up[wid] = self.up[wid], False
@@ -248,8 +269,8 @@ class WorkerPool(Backend):
         if worker is not None:
             if worker not in self.workers:
                 raise KeyError(worker)
-            return self.workers[worker].snapshot(preview, owner)
-        return [n for _, w in self._live() for n in w.snapshot(preview, owner)]
+            return [unfold(n) for n in self.workers[worker].snapshot(preview, owner)]
+        return [unfold(n) for _, w in self._live() for n in w.snapshot(preview, owner)]
 
     def metric_samples(self) -> list[Sample]:
         """Each live worker's figures with a `worker` label (one control round
@@ -268,6 +289,11 @@ class WorkerPool(Backend):
             gauge("sglang_workers_up", up, "SGLang workers that answer"),
             gauge("sglang_workers_draining", draining, "SGLang workers being drained"),
             counter("sglang_conversations_moved_total", moves, "Conversations moved off a dead or draining worker"),
+            *([] if self.router is None else [
+                gauge("sglang_router_up", int(self.router.available()),
+                      "sglang-router runs (its process; always 1 for one given by --router-url)"),
+                counter("sglang_router_steps_total", self.router.steps, "Stateless steps sent through sglang-router"),
+            ]),
         ]
 
     def free_fraction(self) -> float:
@@ -310,11 +336,14 @@ class WorkerPool(Backend):
         return {wid: w.pools() for wid, w in self._live()}
 
     def describe(self) -> str:
+        router = f"; {self.router.describe()}" if self.router is not None else ""
         return f"{len(self.workers)} SGLang workers: " + "; ".join(
-            f"{wid}: {w.describe()}" for wid, w in self.workers.items())
+            f"{wid}: {w.describe()}" for wid, w in self.workers.items()) + router
 
     def close(self) -> None:
         self._stop.set()
+        if self.router is not None:
+            self.router.close()
         for w in self.workers.values():
             w.close()
 
