@@ -90,13 +90,14 @@ class UpstreamClient:
 
     @contextmanager
     def stream(self, body: dict) -> Iterator[tuple[int, Iterator[bytes]]]:
-        """(status, the body's bytes as they arrive) of a streamed request."""
+        """(status, the body's bytes as they arrive) of a streamed request, decoded
+        (a gzipped answer comes out plain: the relay sends no Content-Encoding)."""
         import httpx
 
         try:
             with self._http.stream("POST", self.url, content=json.dumps(body, ensure_ascii=False).encode(),
                                    headers=self.headers()) as r:
-                yield r.status_code, r.iter_raw()
+                yield r.status_code, r.iter_bytes()
         except httpx.TimeoutException as exc:
             raise UpstreamUnavailable(f"the upstream {self.url} did not answer in time: {exc}", status=504) from None
         except httpx.HTTPError as exc:

@@ -198,3 +198,24 @@ def test_anthropic_thinking_goes_out_without_the_sampling_it_refuses():
         assert {k: body[k] for k in ("temperature", "top_p") if k in body} == kept
     body = request_body("anthropic", None, [], local_history(), {**PARAMS, "top_p": 0.5})
     assert (body["temperature"], body["top_p"]) == (0.0, 0.5)  # thinking off: as asked
+
+
+# ----- client.py and the streamed relay --------------------------------------------------------
+
+
+def test_a_gzipped_stream_is_relayed_decoded():
+    """The relay sends no Content-Encoding, so what it relays must be plain
+    (httpx asks for gzip on its own)."""
+    import gzip
+
+    import httpx
+
+    from session_runtime.proxy.client import UpstreamClient
+
+    sse = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'
+    client = UpstreamClient("http://upstream.invalid/v1", "deepseek", key="k")
+    client._http = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(
+        200, content=gzip.compress(sse), headers={"content-encoding": "gzip", "content-type": "text/event-stream"})))
+    with client.stream({"model": "m", "messages": [], "stream": True}) as (status, chunks):
+        assert (status, b"".join(chunks)) == (200, sse)
+    client.close()
