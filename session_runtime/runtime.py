@@ -106,11 +106,12 @@ class Runtime(RuntimeInspection):
                     lock.release()
         return moved
 
-    def _place(self, conv: Conversation, worker: Optional[str] = None) -> None:
+    def _place(self, conv: Conversation, worker: Optional[str] = None, stateless: bool = False) -> None:
         """Many workers: the conversation's worker (a restored one while it is
-        usable). None is up: placed at its first step instead."""
+        usable; a stateless one's, none while sglang-router routes its steps).
+        None is up: placed at its first step instead."""
         try:
-            conv.worker = self.backend.place(conv.id, worker)
+            conv.worker = self.backend.place(conv.id, worker, stateless=stateless)
         except BackendUnavailable:
             conv.worker = worker
 
@@ -146,9 +147,12 @@ class Runtime(RuntimeInspection):
         offload: Optional[str] = None,
         ttl_s: float = 2.0,
         conversation_id: Optional[str] = None,
+        stateless: bool = False,
     ) -> str:
-        """Create an empty conversation; returns its id. Raises InvalidRequest, or
-        ConversationBusy when `conversation_id` is taken."""
+        """Create an empty conversation; returns its id. `stateless`: a throw-away
+        one for a single request (many SGLang workers: sglang-router routes its
+        steps). Raises InvalidRequest, or ConversationBusy when `conversation_id`
+        is taken."""
         if system is not None and not isinstance(system, str):
             raise InvalidRequest("system must be a string")
         _utf8("system", system or "", "tenant", tenant or "", "tools", json.dumps(list(tools or ()), ensure_ascii=False))
@@ -179,7 +183,7 @@ class Runtime(RuntimeInspection):
                                            "(--max-conversations-per-tenant): delete some first")
             self.conversations[conv.id] = conv
             self._conv_locks[conv.id] = threading.Lock()
-        self._place(conv)
+        self._place(conv, stateless=stateless)
         try:
             self._persist(conv)
         except Exception as exc:  # not saved, not created
