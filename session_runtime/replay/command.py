@@ -13,6 +13,7 @@ from session_runtime.replay.batch import aggregate, describe_aggregate, describe
 from session_runtime.replay.formats import FORMATS, collect_paths
 from session_runtime.replay.run import COMPARE, ReplayError, RunSpec, parse_run_spec
 from session_runtime.replay.report import LEGEND, Progress
+from session_runtime.replay import analysis
 
 
 # ----- the CLI command ---------------------------------------------------------------------
@@ -46,6 +47,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--json", metavar="PATH", help="also write every run's per-step accounting as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    analysis.add_arguments(parser)  # --cost-model, the clock, --plot
 
 
 def run_specs(args) -> list[RunSpec]:
@@ -85,6 +87,7 @@ def run_command(args, out=None, err=None) -> int:
         config = RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                                pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
                                template=args.template)
+        cost, clock = analysis.settings(args, config.prefill_chunk)
     except ValueError as exc:
         print(f"session-runtime replay: {exc}", file=err)
         return 2
@@ -116,25 +119,37 @@ def run_command(args, out=None, err=None) -> int:
     config = rt.config  # with the template resolved (auto -> deepseek or qwen3)
 
     setup = f"model {config.model}, template {config.template}, page size {config.page_size}"
-    print("\n\n".join(describe_trace(tr, setup) for tr in runs), file=out)
+    analyses = [analysis.analyze(tr.trace, tr.results, rt.template(tr.results[0].template), cost, clock)
+                for tr in runs]
+    print("\n\n".join(describe_trace(tr, setup) + "\n\n" + a.text() for tr, a in zip(runs, analyses)), file=out)
     if len(runs) > 1:
         print("\n" + describe_aggregate(runs), file=out)
-    print("\n" + LEGEND, file=out)
+        print("\n" + analysis.describe_aggregate(analyses), file=out)
+    print("\n" + LEGEND + "\n" + analysis.ECONOMICS_LEGEND, file=out)
+    for a in analyses if args.plot else ():
+        print(f"wrote {a.plot(args.plot)}", file=out)
     if args.json:
-        Path(args.json).write_text(json.dumps(json_report(runs, config), indent=1))
+        Path(args.json).write_text(json.dumps(json_report(runs, config, analyses), indent=1))
         print(f"wrote {args.json}", file=out)
     return 0
 
 
-def json_report(runs, config) -> dict:
-    """Every trace's runs and the per-policy sums; with one trace, its `trace`
-    and `runs` at the top level too (the one-trace shape of before)."""
+def json_report(runs, config, analyses=()) -> dict:
+    """Every trace's runs (and economics) and the per-policy sums; with one
+    trace, its `trace`, `runs` and `economics` at the top level too (the
+    one-trace shape of before)."""
     report = {
         "model": config.model, "template": config.template, "page_size": config.page_size,
         "traces": [{"trace": tr.trace.source, "format": tr.trace.format, "notes": list(tr.trace.notes),
                     "runs": [r.as_dict() for r in tr.results]} for tr in runs],
         "aggregate": [a.as_dict() for a in aggregate(runs)],
     }
+    for t, a in zip(report["traces"], analyses):
+        t["economics"] = a.as_dict()
+    if analyses:
+        report["aggregate_economics"] = analysis.aggregate_dict(analyses)
     if len(runs) == 1:
         report.update(trace=runs[0].trace.source, runs=report["traces"][0]["runs"])
+        if analyses:
+            report["economics"] = report["traces"][0]["economics"]
     return report

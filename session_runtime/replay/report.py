@@ -21,17 +21,22 @@ TOTAL_COLUMNS = (
     ("label", "policy"), ("steps", "steps"), ("prompt", "prompt"), ("cached", "cached"),
     ("hit", "hit%"), ("turn_start_prefill", "turn_start"), ("tool_prefill", "tool_steps"),
     ("prefill", "prefill"), ("recomputed", "recomputed"), ("materialized", "materialized"),
-    ("compute", "compute"), ("context", "context"),
+    ("materialized_end", "mat_end"), ("compute", "compute"), ("context", "context"),
 )
 LEGEND = """\
 Per turn: prompt, cached, prefill and cache_state are the turn's first step (the user message);
-cf_keep / cf_drop: what that step would prefill if every turn's reasoning were kept / if closed
-turns' reasoning were dropped, probed on this run's tree just before the step; tool_prefill: the
-prefill of the turn's later steps (tool results); recomputed: prefill spent on tokens before each
-step's new input; materialized: idle-time prefill of the canonical branch after the turn closed
-(off the request path); context: tokens the next turn starts from.
+cf_keep / cf_drop: what that step would prefill had the whole conversation run under keep (every
+turn's reasoning kept) / under drop (closed turns' reasoning dropped, the canonical branch built
+when this run's materialize setting would build it), from a token-level shadow of that policy's own
+chain: on every turn, what a replay under that policy really prefills (tool steps need none: under
+both they prefill only the tool results); tool_prefill: the prefill of the turn's later steps
+(tool results); recomputed: prefill spent on tokens before each step's new input; materialized:
+idle-time prefill of the canonical branch after the turn closed (off the request path; the last
+turn's is counted apart, "after end": no message of the trace can use it); context: tokens the
+next turn starts from.
 Totals table: prompt, cached and prefill sum every step (tool steps included); turn_start and
-tool_steps split prefill; compute = prefill + materialized; hit% = cached / prompt."""
+tool_steps split prefill; materialized excludes the last turn's (mat_end); compute = prefill +
+materialized; hit% = cached / prompt."""
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
@@ -55,12 +60,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
 
 
 def turn_table(result: ReplayResult) -> str:
-    """One row per turn; the footer sums each column (context: the final one)."""
+    """One row per turn; the footer sums each column (context: the final one),
+    the last turn's materialization apart ("after end": no message can use it)."""
     rows = [t.row() for t in result.turns]
     total = {k: sum(r[k] or 0 for r in rows) for k, _ in TURN_COLUMNS if k not in ("turn", "line", "state")}
-    total.update(turn="total", line=None, state="", context=rows[-1]["context"] if rows else 0)
+    end = rows[-1]["materialized"] if rows else 0
+    total.update(turn="total", line=None, state="", context=rows[-1]["context"] if rows else 0,
+                 materialized=total["materialized"] - end)
+    after = {k: "" for k, _ in TURN_COLUMNS} | {"turn": "after end", "materialized": end}
     return format_table([h for _, h in TURN_COLUMNS], [[r[k] for k, _ in TURN_COLUMNS] for r in rows],
-                        [[total[k] for k, _ in TURN_COLUMNS]])
+                        [[total[k] for k, _ in TURN_COLUMNS], [after[k] for k, _ in TURN_COLUMNS]])
 
 
 def totals_table(results: Sequence[ReplayResult]) -> str:

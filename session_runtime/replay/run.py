@@ -11,6 +11,7 @@ from session_runtime.policies import MATERIALIZE_MODES, POLICIES
 if TYPE_CHECKING:
     from session_runtime.accounting import StepAccounting
     from session_runtime.runtime import Runtime
+    from session_runtime.templates import Message
 
 from session_runtime.replay.trace import Trace
 
@@ -92,6 +93,11 @@ class ReplayResult:
     conversation_id: str
     tenant: str
     turns: list[TurnResult] = field(default_factory=list)
+    kv_bytes_per_token: int = 0  # of the replay's model: kv_device_bytes over this is tokens held
+    template: str = ""  # the conversation's chat template
+    # The conversation's trace as the runtime recorded it (assistant messages with
+    # their ids): what the prompt compositions are rendered from.
+    messages: list["Message"] = field(default_factory=list, repr=False)
 
     @property
     def all_steps(self) -> list["StepAccounting"]:
@@ -101,7 +107,10 @@ class ReplayResult:
         steps = self.all_steps
         s = lambda key: sum(getattr(a, key) for a in steps)  # noqa: E731
         rows = [t.row() for t in self.turns]
-        prefill, materialized = s("uncached_prefill_tokens"), sum(t.materialized for t in self.turns)
+        prefill = s("uncached_prefill_tokens")
+        # The last turn's canonical branch serves no later message in a replay: apart.
+        materialized_end = self.turns[-1].materialized if self.turns else 0
+        materialized = sum(t.materialized for t in self.turns) - materialized_end
         return {
             "steps": len(steps),
             "prompt": s("prompt_tokens"),
@@ -111,6 +120,7 @@ class ReplayResult:
             "tool_prefill": sum(r["tool_prefill"] for r in rows),
             "recomputed": s("recomputed_history_tokens"),
             "materialized": materialized,
+            "materialized_end": materialized_end,
             "compute": prefill + materialized,
             "output": s("output_tokens"),
             "context": self.turns[-1].steps[-1].active_context_length if self.turns else 0,
@@ -151,7 +161,8 @@ def replay(
     tenant = tenant or f"replay-{spec.label}-{uuid.uuid4().hex[:8]}"
     cid = rt.create_conversation(trace.system, tools=trace.tools, tenant=tenant, policy=spec.policy,
                                  keep_last_k=spec.keep_last_k, materialize=spec.materialize)
-    result = ReplayResult(spec, cid, tenant)
+    result = ReplayResult(spec, cid, tenant, kv_bytes_per_token=rt.backend.bytes_per_token,
+                          template=rt.get(cid).template)
     try:
         for index, turn in enumerate(trace.turns):
             steps = []
@@ -176,6 +187,7 @@ def replay(
             record = rt.describe(cid)["turns"][index]
             result.turns.append(TurnResult(index, turn.line, steps, rt.materializer.stats["prefill_tokens"] - before,
                                            record["fork_tokens"], record["materialize"]))
+        result.messages = [e.message for e in rt.get(cid).trace]
     finally:
         if delete:
             rt.delete_conversation(cid)

@@ -92,10 +92,11 @@ def trace():
 
 @pytest.fixture(scope="module")
 def runs(rt, trace):
-    """The sample trace under keep, lazy drop and materialized drop (fresh tenants)."""
-    from session_runtime.replay import replay
+    """The sample trace under keep and drop, each with materialize never and
+    always (keep's setting is the one its drop counterfactual uses), in fresh tenants."""
+    from session_runtime.replay import RunSpec, replay
 
-    out = {spec: replay(rt, trace, spec) for spec in ("keep", "drop:never", "drop:always")}
+    out = {f"{p}:{m}": replay(rt, trace, RunSpec(p, m)) for m in ("never", "always") for p in ("keep", "drop")}
     rt.check_integrity()
     return out
 
@@ -110,7 +111,7 @@ def results_tokens(rt, results) -> int:
 
 
 def test_keep_prefills_each_token_once(rt, trace, runs):
-    keep = runs["keep"]
+    keep = runs["keep:never"]
     for k, (turn, res) in enumerate(zip(trace.turns, keep.turns)):
         first = res.first
         if k:  # the whole previous sequence is reused: only the new message is prefilled
@@ -126,7 +127,7 @@ def test_keep_prefills_each_token_once(rt, trace, runs):
 
 
 def test_drop_without_materialization_recomputes_the_answers(rt, trace, runs):
-    lazy, keep = runs["drop:never"], runs["keep"]
+    lazy, keep = runs["drop:never"], runs["keep:never"]
     for k in range(1, len(trace.turns)):
         prev, acc = lazy.turns[k - 1], lazy.turns[k].first
         tail = prev.steps[-1].active_context_length - prev.fork_tokens  # canonical tokens past the fork
@@ -142,14 +143,21 @@ def test_drop_without_materialization_recomputes_the_answers(rt, trace, runs):
     assert lazy.totals()["tool_prefill"] == keep.totals()["tool_prefill"]
 
 
-def test_counterfactuals_agree_with_the_other_policy(runs):
-    keep, lazy = runs["keep"].turns, runs["drop:never"].turns
-    # Turn 2: each run's counterfactual of the other policy is the other run's real prefill.
-    assert lazy[1].row()["cf_keep"] == keep[1].first.uncached_prefill_tokens
-    assert keep[1].row()["cf_drop"] == lazy[1].first.uncached_prefill_tokens
-    # Every turn: the counterfactual of the run's own policy is its real prefill.
-    assert [t.row()["cf_keep"] for t in keep] == [t.first.uncached_prefill_tokens for t in keep]
-    assert [t.row()["cf_drop"] for t in lazy] == [t.first.uncached_prefill_tokens for t in lazy]
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_counterfactuals_are_the_other_policy_on_every_turn(runs, mode):
+    """Each run's counterfactual of the other policy is the other run's real
+    first-step prefill on every turn, not only the second: the shadows follow
+    each policy's own chain (drop's with the conversation's materialize setting)."""
+    keep, drop = runs[f"keep:{mode}"].turns, runs[f"drop:{mode}"].turns
+    real = lambda turns: [t.first.uncached_prefill_tokens for t in turns]  # noqa: E731
+    assert [t.row()["cf_drop"] for t in keep] == real(drop)
+    assert [t.row()["cf_keep"] for t in drop] == real(keep)
+    # The counterfactual of the run's own policy is its real prefill.
+    assert [t.row()["cf_keep"] for t in keep] == real(keep)
+    assert [t.row()["cf_drop"] for t in drop] == real(drop)
+    # Tool steps need none: under both they continue their own chain and prefill the results only.
+    assert [s.uncached_prefill_tokens for t in keep for s in t.steps[1:]] == \
+           [s.uncached_prefill_tokens for t in drop for s in t.steps[1:]]
 
 
 def test_materialization_moves_the_recompute_into_idle_time(rt, trace, runs):
@@ -159,9 +167,10 @@ def test_materialization_moves_the_recompute_into_idle_time(rt, trace, runs):
         assert mat.turns[k].first.cache_state == "canonical_branch"
         assert mat.turns[k - 1].materialized == lazy.turns[k].first.recomputed_history_tokens
     m, z = mat.totals(), lazy.totals()
-    assert m["prefill"] == runs["keep"].totals()["prefill"]
-    # Same work as lazy drop, plus the last turn's branch that no message used.
-    assert m["prefill"] + m["materialized"] - mat.turns[-1].materialized == z["prefill"]
+    assert m["prefill"] == runs["keep:never"].totals()["prefill"]
+    # Same work as lazy drop; the last turn's branch, which no message used, apart.
+    assert m["prefill"] + m["materialized"] == z["prefill"]
+    assert m["materialized_end"] == mat.turns[-1].materialized > 0 and z["materialized_end"] == 0
     assert m["context"] == z["context"]
 
 
@@ -183,18 +192,30 @@ def test_cli_prints_turn_and_totals_tables(rt, tmp_path, capsys):
     path.write_text("\n".join(json.dumps(m) for m in lines) + "\n")
     out_json = tmp_path / "out.json"
     rc = main(["replay", str(path), "--policy", "keep", "--policy", "drop:never", "--page-size", "1",
-               "--pool-tokens", "4096", "--no-progress", "--json", str(out_json)])
+               "--pool-tokens", "4096", "--no-progress", "--json", str(out_json), "--cost-model", "qwen3-8b",
+               "--plot", str(tmp_path / "plots")])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "== keep: policy=keep ==" in out and "== drop:never: policy=drop materialize=never ==" in out
     assert "== totals ==" in out and "cache_state" in out and "cf_keep" in out
-    runs = {r["label"]: r for r in json.loads(out_json.read_text())["runs"]}
+    report = json.loads(out_json.read_text())
+    runs = {r["label"]: r for r in report["runs"]}
     keep2 = runs["keep"]["turns"][1]
     assert keep2["prefill"] == user_tokens(rt, "Thanks!") and keep2["state"] == "generated_branch"
     assert runs["drop:never"]["turns"][1]["cf_keep"] == keep2["prefill"]
     # The printed keep row of turn 2 carries the same numbers.
     row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["2", "6"])
     assert row[2:6] == ["1", str(keep2["prompt"]), str(keep2["cached"]), str(keep2["prefill"])]
+    # The economics section, its JSON and the composition plot.
+    assert "== economics: cost model qwen3-8b (bfloat16), clock nominal" in out and "lastView" in out
+    econ = report["economics"]
+    assert econ["cost_model"]["name"] == "qwen3-8b" and econ["cost_model"]["num_layers"] == 36
+    keep_econ = econ["runs"][0]
+    assert keep_econ["turns"][1]["request"]["prefill_tokens"] == runs["keep"]["totals"]["prefill"] - \
+        keep_econ["turns"][0]["request"]["prefill_tokens"]
+    assert econ["runs"][1]["against_keep"]["request_prefill"] > 1.0
+    assert set(econ["reasoning_share"]) == {"keep", "drop"} and econ["reasoning_share"]["drop"]["lastView"] == 0.0
+    assert (tmp_path / "plots" / "short.composition.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cli_reports_a_bad_trace_with_its_line(tmp_path, capsys):
