@@ -219,3 +219,23 @@ def test_a_gzipped_stream_is_relayed_decoded():
     with client.stream({"model": "m", "messages": [], "stream": True}) as (status, chunks):
         assert (status, b"".join(chunks)) == (200, sse)
     client.close()
+
+
+def test_a_streamed_5xx_is_unavailable_as_a_plain_ones_is():
+    import contextlib
+
+    from session_runtime.backends.upstream.backend import UpstreamBackend
+    from session_runtime.errors import UpstreamError, UpstreamUnavailable
+
+    config = SimpleNamespace(page_size=16, max_context=4096, upstream_url="http://upstream.invalid/v1",
+                             upstream_protocol="deepseek", upstream_key="k", upstream_timeout_s=5.0,
+                             reasoning_passthrough=False, keep_tool_turn_reasoning=False, upstream_model=None)
+    backend = UpstreamBackend(config, SimpleNamespace(encode=lambda text: text.split()))
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    for status, raised in ((503, UpstreamUnavailable), (400, UpstreamError)):
+        backend.client.stream = contextlib.contextmanager(
+            lambda sent: iter([(status, iter([b'{"error":{"message":"no"}}']))]))
+        with pytest.raises(raised) as e:
+            backend.forward_stream(body)
+        assert e.value.details["status"] == status and e.value.details["body"] == {"error": {"message": "no"}}
+    backend.close()

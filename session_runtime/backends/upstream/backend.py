@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime.accounting import StepAccounting
 from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming, WireReply
-from session_runtime.errors import InvalidRequest
+from session_runtime.errors import InvalidRequest, UpstreamUnavailable
 from session_runtime.metrics import Sample
 from session_runtime.protocols.base import StripOptions
 from session_runtime.protocols.canonical import Usage
@@ -139,6 +139,9 @@ class UpstreamBackend(Backend):
             except ValueError:
                 error = raw.decode("utf-8", "replace")
             self._steps_failed += 1
+            if status >= 500:  # as a plain request's: the provider failed, nothing changed, retry it
+                raise UpstreamUnavailable(f"the upstream {self.client.url} failed with {status}",
+                                          details={"status": status, "body": error, "stripper": account.as_dict()})
             raise self.outbound.refused(status, error, account)
         self._steps_ok += 1
 
