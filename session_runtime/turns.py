@@ -5,9 +5,10 @@ Pure functions over token sequences and probe results; the Runtime applies them.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from radix_ext.tree import ProbeResult
+if TYPE_CHECKING:  # radix_ext.tree imports SGLang (seconds): the CLI parses its flags without it
+    from radix_ext.tree import ProbeResult
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
