@@ -6,6 +6,7 @@ API with `--upstream URL`);
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
@@ -182,6 +183,11 @@ def _param(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
         raise ValueError(f"--upstream-param {text!r}: expected NAME=JSON")
+    try:
+        json.loads(value)
+    except ValueError:
+        raise ValueError(f"--upstream-param {text!r}: {value!r} is not JSON (a string is quoted: "
+                         f"{name.strip()}='\"{value}\"')") from None
     return name.strip(), value
 
 
