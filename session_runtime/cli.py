@@ -42,12 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model name sent upstream (default: the request's, else --model-id/--model)")
     serve.add_argument("--upstream-param", action="append", default=[], metavar="NAME=JSON",
                        help="a top-level field for each conversation step's upstream request (repeatable), "
-                            "e.g. --upstream-param 'thinking={\"type\": \"enabled\"}'")
+                            "e.g. --upstream-param 'thinking={\"type\": \"enabled\"}'; null leaves a field out "
+                            "(temperature=null for reasoning models that refuse one)")
     serve.add_argument("--upstream-timeout-s", type=float, default=_DEFAULTS.upstream_timeout_s, metavar="S",
                        help="how long one upstream request may take")
     serve.add_argument("--reasoning-passthrough", action="store_true",
                        help="the escape hatch: send every reasoning block upstream unstripped (also "
                             f"{PASSTHROUGH_ENV}=1)")
+    serve.add_argument("--upstream-reasoning-context", default=None, choices=["auto", "all_turns", "current_turn"],
+                       help="earlier turns' reasoning upstream: all_turns keeps it (OpenAI Responses' "
+                            "reasoning.context; Anthropic models that keep prior thinking, whose prefix must "
+                            "not change); default: dropped between turns")
     serve.add_argument("--keep-tool-turn-reasoning", action="store_true",
                        help="DeepSeek: keep completed tool-call turns' reasoning on the way out (the documented "
                             "rule), for a provider that enforces it; by default it is stripped in lenient shapes")
@@ -166,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         upstream_params=tuple(_param(p) for p in args.upstream_param),
         reasoning_passthrough=args.reasoning_passthrough or passthrough_from_env(),
         keep_tool_turn_reasoning=args.keep_tool_turn_reasoning,
+        upstream_reasoning_context=args.upstream_reasoning_context,
         model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, max_tokens_limit=args.max_tokens_limit,
         seed=args.seed,

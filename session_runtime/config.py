@@ -141,6 +141,9 @@ class RuntimeConfig:
     # The outbound stripper: passthrough sends every reasoning block (the escape
     # hatch); keep_tool_turn_reasoning keeps tool-call turns' reasoning (DeepSeek's documented rule).
     reasoning_passthrough: bool = False
+    # Earlier turns' reasoning upstream: None drops it (the protocol's default);
+    # "all_turns" keeps it (Responses' reasoning.context; Anthropic models that keep prior thinking).
+    upstream_reasoning_context: Optional[str] = None
     keep_tool_turn_reasoning: bool = False
 
     def __post_init__(self) -> None:
@@ -170,6 +173,9 @@ class RuntimeConfig:
                 json.loads(text)
             except ValueError:
                 raise ValueError(f"upstream param {name}: {text!r} is not JSON") from None
+        if self.upstream_reasoning_context not in (None, "auto", "all_turns", "current_turn"):
+            raise ValueError("upstream_reasoning_context must be auto, all_turns or current_turn, "
+                             f"got {self.upstream_reasoning_context!r}")
         if self.upstream_timeout_s <= 0:
             raise ValueError(f"upstream_timeout_s must be > 0, got {self.upstream_timeout_s}")
         if self.sglang_url is not None and self.backend != "sglang":

@@ -268,6 +268,18 @@ def test_a_chat_completion_with_conversation_id_sends_the_clients_messages_as_wr
             ["user", "assistant", "tool", "assistant"]
 
 
+def test_an_upstream_param_of_null_leaves_the_field_out(scripted):
+    scripted.replies[:] = [{"role": "assistant", "content": "Hi.", "reasoning_content": "."}]
+    scripted.requests.clear()
+    with served(backend="upstream", upstream_url=scripted.url, upstream_model="m",
+                upstream_params=(("temperature", "null"), ("reasoning_effort", '"high"'))) as live:
+        cid = httpx.post(live.url + "/v1/conversations", json={}).json()["id"]
+        r = httpx.post(f"{live.url}/v1/conversations/{cid}/messages", json={"content": "hi", "seed": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+    sent = scripted.requests[0]
+    assert "temperature" not in sent and sent["reasoning_effort"] == "high" and sent["seed"] == 3
+
+
 # ----- Anthropic Messages and OpenAI Responses: inbound, validated, and as the upstream ----------------
 
 

@@ -22,7 +22,7 @@ from session_runtime.accounting import StepAccounting
 from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming, WireReply
 from session_runtime.errors import InvalidRequest, UpstreamUnavailable
 from session_runtime.metrics import Sample
-from session_runtime.protocols.base import StripOptions
+from session_runtime.protocols.base import StripOptions, passthrough_from_env
 from session_runtime.protocols.canonical import Usage
 from session_runtime.proxy.client import UpstreamClient
 from session_runtime.proxy.outbound import Forwarded, Outbound, StripAccount
@@ -45,8 +45,9 @@ class UpstreamBackend(Backend):
         self.max_context = config.max_context
         self.client = UpstreamClient(config.upstream_url, config.upstream_protocol, config.upstream_key,
                                      config.upstream_timeout_s)
-        options = StripOptions(passthrough=config.reasoning_passthrough,
-                               keep_tool_turns=config.keep_tool_turn_reasoning)
+        options = StripOptions(passthrough=config.reasoning_passthrough or passthrough_from_env(),
+                               keep_tool_turns=config.keep_tool_turn_reasoning,
+                               context=config.upstream_reasoning_context)
         self.outbound = Outbound(self.client, lambda text: len(tokenizer.encode(text)) if text else 0, options,
                                  model=config.upstream_model)
         self._steps_ok = 0
@@ -63,11 +64,16 @@ class UpstreamBackend(Backend):
         s = req.sampling
         params = {"model": self.config.upstream_model or self.config.model_id or self.config.model,
                   "max_tokens": s.max_tokens, "temperature": s.temperature}
-        params.update((name, json.loads(text)) for name, text in self.config.upstream_params)
         if s.top_p < 1.0:
             params["top_p"] = s.top_p
         if s.seed is not None and self.config.upstream_protocol != "anthropic":
             params["seed"] = s.seed
+        for name, text in self.config.upstream_params:  # last: they win; null leaves the field out
+            value = json.loads(text)
+            if value is None:
+                params.pop(name, None)
+            else:
+                params[name] = value
         body = request_body(self.config.upstream_protocol, t.system, t.tools, t.messages, params)
         if req.cancel is not None:
             req.cancel.check()
