@@ -41,6 +41,7 @@ class Where:
     line: int
     record: str = ""
     noun: str = "line"
+    timestamp: object = None  # when the record says it happened (seconds or ISO 8601), if it does
 
     @property
     def label(self) -> str:
@@ -138,7 +139,7 @@ class TraceBuilder:
             raise where.error(f"tool call id(s) {', '.join(map(repr, twice))} appear more than once")
         results = self.results if self.state == "answered" else ()
         self.steps.append(TraceStep(where.line, reasoning, content, tuple(c.forced() for c in calls),
-                                    results, where.record))
+                                    results, where.record, where.timestamp))
         self.step_at, self.calls = where, tuple(calls)
         self.arrived, self.results = [], ()
         self.state = "calling" if calls else "closed"
@@ -203,7 +204,8 @@ class TraceBuilder:
 
     def _close_turn(self) -> None:
         if self.user_at is not None:
-            self.turns.append(TraceTurn(self.user_at.line, self.user_text, tuple(self.steps), self.user_at.record))
+            self.turns.append(TraceTurn(self.user_at.line, self.user_text, tuple(self.steps), self.user_at.record,
+                                        self.user_at.timestamp))
         self.user_at, self.steps = None, []
 
     def finish(self, source: str, fmt: str) -> Trace:

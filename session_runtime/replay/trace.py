@@ -43,6 +43,7 @@ class TraceStep:
     tool_calls: tuple[dict, ...]  # {name, arguments}
     results: tuple[str, ...] = ()
     record: str = ""  # how the format names it, e.g. messages[3]; "" for JSONL (line N)
+    timestamp: object = None  # the record's own time (seconds or ISO 8601): the economics' clock
 
     @property
     def where(self) -> str:
@@ -60,6 +61,7 @@ class TraceTurn:
     user: str
     steps: tuple[TraceStep, ...]
     record: str = ""
+    timestamp: object = None
 
     @property
     def where(self) -> str:

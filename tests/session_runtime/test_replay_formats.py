@@ -52,6 +52,17 @@ def test_atif_sample():
     assert (len(t.turns), t.n_steps, t.n_tool_calls) == (3, 7, 6)
 
 
+def test_atif_timestamps_are_the_economics_clock():
+    """ATIF steps carry their time: KV token-seconds use it, not the nominal clock."""
+    from session_runtime.replay.economics import Clock, trace_times
+
+    trace = load(TRACES / "atif_trajectory.json")
+    assert trace.turns[0].timestamp == "2025-11-03T09:00:04Z"
+    assert trace.turns[0].steps[0].timestamp == "2025-11-03T09:00:09Z"
+    source, times = trace_times(trace, Clock())
+    assert source == "trace" and times[0].steps[0] == 5.0  # the first answer came 5 s after the question
+
+
 def test_openai_sample():
     t = load(TRACES / "openai_messages.json")
     assert (t.format, t.notes) == ("openai", ())

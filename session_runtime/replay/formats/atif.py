@@ -67,7 +67,8 @@ def _step(builder: TraceBuilder, dropped: Dropped, i: int, step: object) -> None
     if not isinstance(step, dict):
         raise TraceError(i + 1, f"a step must be an object, got {type(step).__name__}", f"steps[{i}]")
     step_id = step.get("step_id")
-    where = Where(i + 1, f"steps[{i}]" + (f" (step_id {step_id})" if isinstance(step_id, int) else ""), "step")
+    where = Where(i + 1, f"steps[{i}]" + (f" (step_id {step_id})" if isinstance(step_id, int) else ""), "step",
+                  step.get("timestamp") if isinstance(step, dict) else None)
     if not isinstance(step_id, int) or isinstance(step_id, bool):
         raise where.error("needs an integer step_id", "step_id")
     kind = step.get("source")

@@ -55,7 +55,7 @@ class _Reader:
             raise TraceError(line, f"{what}; expected one of {', '.join(ROLES)} "
                                    "(or a first line {\"type\": \"conversation\", ...})")
         self.seen_message = True
-        getattr(self, "_" + role)(Where(line), obj)
+        getattr(self, "_" + role)(Where(line, timestamp=obj.get("timestamp", obj.get("created_at"))), obj)
 
     def _header(self, line: int, obj: dict) -> None:
         if obj.get("type") != "conversation":
