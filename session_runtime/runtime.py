@@ -487,18 +487,26 @@ class Runtime(RuntimeInspection):
             raise
         finally:
             self.materializer.user_exit()
-        before = copy.deepcopy(conv)  # what a failed save goes back to
-        step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)
+        before = copy.deepcopy(conv)  # what a failed commit or save goes back to
+
+        def undo() -> None:
+            # Not committed, not done: the conversation is as before the step (a
+            # retry runs it once); its KV stays cached, and the closed turn's
+            # canonical branch or tool wait, if the commit started one, is dropped.
+            self.materializer.cancel(conv.id)
+            self.offload.wait_ended(conv.id)
+            conv.__dict__.update(before.__dict__)
+
+        try:
+            step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)
+        except BaseException:
+            undo()
+            raise
         conv.version += 1
         try:
             self._persist(conv)  # before the response returns
         except Exception as exc:
-            # Not saved, not done: the conversation is as before the step (a retry
-            # runs it once); its KV stays cached, and the closed turn's canonical
-            # branch or tool wait, if the commit started one, is dropped.
-            self.materializer.cancel(conv.id)
-            self.offload.wait_ended(conv.id)
-            conv.__dict__.update(before.__dict__)
+            undo()
             raise StorageUnavailable(f"the step could not be saved, so it did not happen: {exc}") from exc
         return step
 
@@ -582,8 +590,16 @@ class Runtime(RuntimeInspection):
             # A's KV was computed after R: past the fork nothing may be reused. Hold
             # the shared prefix (its partial page copied); a dropping policy frees
             # the generated branch at once, where no other chain or step holds it.
-            self.backend.lock_prefix(conv.id, ns, canonical[:fork], free_branch=conv.policy.may_materialize)
-            if conv.policy.may_materialize:
+            try:
+                self.backend.lock_prefix(conv.id, ns, canonical[:fork], free_branch=conv.policy.may_materialize)
+                held = True
+            except BackendUnavailable as exc:
+                # The chain's worker went down after the step finished: there is no
+                # chain to hold there now. The step stands; the conversation moves
+                # and its next step prefills its history elsewhere (recomputed).
+                held = False
+                record.materialize = f"skipped: the chain's worker is gone ({exc})"
+            if held and conv.policy.may_materialize:
                 materialize, why = conv.materialize.decide(
                     reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
                     answer_tokens=len(canonical) - fork,

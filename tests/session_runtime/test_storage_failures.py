@@ -78,3 +78,52 @@ def test_a_delete_that_cannot_be_saved_does_not_happen(tmp_path, monkeypatch):
         assert cid not in rt.conversations  # a delete that was saved stays done
     finally:
         rt.close()
+
+
+FORCED_ANSWER = {"reasoning": "Think it over at length first.", "content": "Done."}
+
+
+def test_a_chain_worker_lost_after_the_step_leaves_the_step_standing(tmp_path, monkeypatch):
+    """Holding the fork fails (the chain's worker went down after the step
+    finished): the step is still answered and recorded, and the next one runs."""
+    from session_runtime.errors import BackendUnavailable
+
+    rt = _runtime(tmp_path)
+    try:
+        cid = rt.create_conversation(system="Worker gone.", policy="drop")
+
+        def gone(*args, **kwargs):
+            raise BackendUnavailable("SGLang worker w1 is down")
+
+        monkeypatch.setattr(rt.backend, "lock_prefix", gone)
+        step = rt.send_message(cid, "One.", forced=FORCED_ANSWER)
+        assert step.content == "Done." and rt.get(cid).turns[0].closed
+        assert rt.get(cid).turns[0].materialize.startswith("skipped: the chain's worker is gone")
+        monkeypatch.undo()
+        assert rt.send_message(cid, "Two.", max_tokens=2).turn == 1
+        rt.check_integrity()
+    finally:
+        rt.close()
+
+
+def test_a_commit_that_fails_half_way_changes_nothing(tmp_path, monkeypatch):
+    rt = _runtime(tmp_path)
+    try:
+        cid = rt.create_conversation(system="Half way.", policy="drop")
+        rt.send_message(cid, "One.", max_tokens=2)
+        before = rt.describe(cid)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug in the turn's close")
+
+        monkeypatch.setattr(rt, "_close_turn", broken)
+        with pytest.raises(RuntimeError):
+            rt.send_message(cid, "Two.", forced=FORCED_ANSWER)
+        after = rt.describe(cid)
+        # The trace and history were appended before the close: put back. The
+        # chain is physical state: the step's KV stays cached, as on a failed save.
+        assert {k: v for k, v in after.items() if k != "chain"} == {k: v for k, v in before.items() if k != "chain"}
+        monkeypatch.undo()
+        assert rt.send_message(cid, "Two.", max_tokens=2).turn == 1
+    finally:
+        rt.close()
