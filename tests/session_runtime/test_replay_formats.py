@@ -391,7 +391,7 @@ def test_cli_replays_many_traces_and_prints_the_aggregate(rt, tmp_path, monkeypa
     out = capsys.readouterr().out
     assert f"trace {tmp_path / 'one.json'} (openai): 2 turns, 2 steps, 0 tool calls" in out
     assert f"trace {tmp_path / 'two.json'} (anthropic): 1 turns, 1 steps, 0 tool calls" in out
-    assert (f"  note: messages[2]: the trace ends with this user message, which has no assistant reply; "
+    assert ("  note: messages[2]: the trace ends with this user message, which has no assistant reply; "
             "it is not replayed") in out
     report = json.loads(out_json.read_text())
     assert [t["format"] for t in report["traces"]] == ["openai", "anthropic"] and "runs" not in report

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 
 from session_runtime.replay.builder import Call, TraceBuilder, Where
-from session_runtime.replay.formats.common import Dropped, json_arguments, load_json, string, string_id, text_of, tool_call
+from session_runtime.replay.formats.common import Dropped, json_arguments, string, string_id, text_of, tool_call
 from session_runtime.replay.trace import Trace, TraceError
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
