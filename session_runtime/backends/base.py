@@ -225,6 +225,33 @@ class Backend(ABC):
 
 
 
+class HoldsNoChain:
+    """For a backend that holds no chain of its own (an upstream provider,
+    sglang-router's routed steps): nothing to probe, hold, release or count.
+    Put it first among the bases so these answers win."""
+
+    def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
+        return ProbeResult(logical_len=0, device_len=0)
+
+    def probe_many(self, namespace: Namespace, prompts: Sequence[Sequence[int]]) -> list[ProbeResult]:
+        return [ProbeResult(logical_len=0, device_len=0) for _ in prompts]
+
+    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
+        return 0
+
+    def mark_idle(self, owner: str, ttl_s: float) -> None:
+        pass
+
+    def release(self, owner: str) -> None:
+        pass
+
+    def chain_tokens(self, owner: str) -> int:
+        return 0
+
+    def chain_lengths(self) -> dict[str, int]:
+        return {}
+
+
 def create_backend(config, tokenizer) -> Backend:
     """The configured backend, imported lazily (SGLang's server needs none of
     the embedded decoder, and the other way round). Raises InvalidRequest."""

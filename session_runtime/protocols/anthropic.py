@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from session_runtime.protocols.base import (
     ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, error_message,
-    expect_list, expect_object, expect_str, is_int, strip_result,
+    expect_ints, expect_list, expect_object, expect_str, is_int, render_messages_request, strip_result,
 )
 from session_runtime.protocols.canonical import Call, ChatRequest, Msg, Reasoning, Reply, Usage
 
@@ -65,11 +65,7 @@ class Anthropic(ChatProtocol):
         return ChatRequest(messages, tuple(clone(body["tools"])) if listed else (), params, tuple(body))
 
     def render_request(self, req: ChatRequest) -> dict:
-        values = {k: clone(v) for k, v in req.params.items()}
-        values["messages"] = [self.render_message(m) for m in req.messages]
-        if req.tools or ("tools" in req.layout and "tools" not in req.params):
-            values["tools"] = clone(list(req.tools))
-        return arrange(values, req.layout)
+        return render_messages_request(req, self.render_message)
 
     def parse_message(self, m: Any, path: str) -> Msg:
         expect_object(m, path)
@@ -242,9 +238,7 @@ def parse_usage(raw: Any) -> Optional[Usage]:
     if raw is None:
         return None
     expect_object(raw, "usage")
-    for key in ("input_tokens", "output_tokens"):
-        if not is_int(raw.get(key)):
-            raise ProtocolInputError(f"usage.{key}", "expected an integer")
+    expect_ints(raw, ("input_tokens", "output_tokens"), "usage")
     read, write = raw.get("cache_read_input_tokens"), raw.get("cache_creation_input_tokens")
     prompt = raw["input_tokens"] + (read if is_int(read) else 0) + (write if is_int(write) else 0)
     return Usage(prompt, raw["output_tokens"], read if is_int(read) else None, None, raw=clone(raw))

@@ -146,6 +146,23 @@ def compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+def render_messages_request(req: ChatRequest, render_message) -> dict:
+    """A body with a `messages` list (Chat Completions, Anthropic): the params,
+    the rendered messages and the tools, in the wire's key order."""
+    values = {k: clone(v) for k, v in req.params.items()}
+    values["messages"] = [render_message(m) for m in req.messages]
+    if req.tools or ("tools" in req.layout and "tools" not in req.params):
+        values["tools"] = clone(list(req.tools))
+    return arrange(values, req.layout)
+
+
+def expect_ints(raw: dict, keys: tuple[str, ...], path: str) -> None:
+    """Each of `keys` of `raw` is an integer. Raises ProtocolInputError naming `path.key`."""
+    for key in keys:
+        if not is_int(raw.get(key)):
+            raise ProtocolInputError(f"{path}.{key}", "expected an integer")
+
+
 def arrange(values: dict, layout: tuple[str, ...]) -> dict:
     """`values` with the keys named in `layout` first, in that order, then the rest."""
     out = {k: values[k] for k in layout if k in values}

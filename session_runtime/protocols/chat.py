@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from session_runtime.protocols.base import (
     ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, dig,
-    expect_list, expect_object, expect_str, is_int, last_index, openai_error, strip_result,
+    expect_list, expect_object, expect_str, is_int, last_index, openai_error, render_messages_request, strip_result,
 )
 from session_runtime.protocols.canonical import ROLES, Call, ChatRequest, Msg, Reasoning, Reply, Usage, reasoning_text
 
@@ -43,11 +43,7 @@ class ChatCompletions(ChatProtocol):
         return ChatRequest(messages, tuple(clone(tools)) if listed else (), params, tuple(body))
 
     def render_request(self, req: ChatRequest) -> dict:
-        values = {k: clone(v) for k, v in req.params.items()}
-        values["messages"] = [self.render_message(m) for m in req.messages]
-        if req.tools or ("tools" in req.layout and "tools" not in req.params):
-            values["tools"] = clone(list(req.tools))
-        return arrange(values, req.layout)
+        return render_messages_request(req, self.render_message)
 
     # -- messages ----------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from session_runtime.protocols.base import (
     ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, dig, error_message,
-    expect_list, expect_object, expect_str, is_int, last_index, openai_error, strip_result,
+    expect_ints, expect_list, expect_object, expect_str, is_int, last_index, openai_error, strip_result,
 )
 from session_runtime.protocols.canonical import ChatRequest, Msg, Reasoning, Reply, Usage
 from session_runtime.protocols.responses_items import STRING_INPUT, parse_items, render_items, render_run, without_reasoning
@@ -156,9 +156,7 @@ def parse_usage(raw: Any) -> Optional[Usage]:
     if raw is None:
         return None
     expect_object(raw, "usage")
-    for key in ("input_tokens", "output_tokens"):
-        if not is_int(raw.get(key)):
-            raise ProtocolInputError(f"usage.{key}", "expected an integer")
+    expect_ints(raw, ("input_tokens", "output_tokens"), "usage")
     cached, reasoning = dig(raw, "input_tokens_details", "cached_tokens"), dig(raw, "output_tokens_details",
                                                                                "reasoning_tokens")
     return Usage(raw["input_tokens"], raw["output_tokens"], cached if is_int(cached) else None,

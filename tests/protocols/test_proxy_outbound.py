@@ -229,7 +229,8 @@ def test_a_streamed_5xx_is_unavailable_as_a_plain_ones_is():
 
     config = SimpleNamespace(page_size=16, max_context=4096, upstream_url="http://upstream.invalid/v1",
                              upstream_protocol="deepseek", upstream_key="k", upstream_timeout_s=5.0,
-                             reasoning_passthrough=False, keep_tool_turn_reasoning=False, upstream_model=None)
+                             reasoning_passthrough=False, keep_tool_turn_reasoning=False, upstream_model=None,
+                             upstream_reasoning_context=None)
     backend = UpstreamBackend(config, SimpleNamespace(encode=lambda text: text.split()))
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     for status, raised in ((503, UpstreamUnavailable), (400, UpstreamError)):

@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 
 import httpx
 
-from radix_ext.tree import Namespace, NodeInfo, ProbeResult
-from session_runtime.backends.base import StepRequest, StepResult
+from radix_ext.tree import Namespace, NodeInfo
+from session_runtime.backends.base import HoldsNoChain, StepRequest, StepResult
 from session_runtime.backends.sglang.backend import SGLangBackend
 from session_runtime.backends.sglang.launcher import LaunchedServer, LaunchFailed, launch
 from session_runtime.errors import InvalidRequest
@@ -106,9 +106,10 @@ def launch_router(spec: RouterSpec, timeout_s: float = START_TIMEOUT_S) -> Launc
         raise InvalidRequest(str(exc)) from None
 
 
-class RoutedBackend(SGLangBackend):
+class RoutedBackend(HoldsNoChain, SGLangBackend):
     """Steps sent to the router's `/generate`; it holds no chain and has no
-    control channel, so every chain call is a no-op here."""
+    control channel, so every chain call is a no-op here (probes too: the
+    router picks the tree after them)."""
 
     def __init__(self, url: str, like: SGLangBackend, router: Optional[LaunchedServer] = None):
         super().__init__(url, control=None, page_size=like.page_size, capacity=like.capacity,
@@ -132,27 +133,6 @@ class RoutedBackend(SGLangBackend):
 
     def available(self) -> bool:
         return self.router is None or self.router.alive()
-
-    def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
-        return ProbeResult(logical_len=0, device_len=0)  # the router picks the tree, after this
-
-    def probe_many(self, namespace: Namespace, prompts: Sequence[Sequence[int]]) -> list[ProbeResult]:
-        return [ProbeResult(logical_len=0, device_len=0) for _ in prompts]
-
-    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
-        return 0
-
-    def mark_idle(self, owner: str, ttl_s: float) -> None:
-        pass
-
-    def release(self, owner: str) -> None:
-        pass
-
-    def chain_tokens(self, owner: str) -> int:
-        return 0
-
-    def chain_lengths(self) -> dict[str, int]:
-        return {}
 
     def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
         pass

@@ -17,9 +17,9 @@ import json
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
-from radix_ext.tree import Namespace, NodeInfo, ProbeResult
+from radix_ext.tree import NodeInfo
 from session_runtime.accounting import StepAccounting
-from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming, WireReply
+from session_runtime.backends.base import Backend, HoldsNoChain, StepRequest, StepResult, StepTiming, WireReply
 from session_runtime.errors import InvalidRequest, UpstreamUnavailable
 from session_runtime.metrics import Sample
 from session_runtime.protocols.base import StripOptions, passthrough_from_env
@@ -32,7 +32,7 @@ from session_runtime.proxy.transcript import reply_parts, request_body
 CHAT_PROTOCOLS = ("deepseek", "openai-chat")  # a chat completion goes to these as it came
 
 
-class UpstreamBackend(Backend):
+class UpstreamBackend(HoldsNoChain, Backend):
     name = "upstream"
     supports_offload = False
     wants_transcript = True
@@ -160,21 +160,6 @@ class UpstreamBackend(Backend):
         return status, relay(), account
 
     # ----- no KV here --------------------------------------------------------------
-
-    def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
-        return ProbeResult(0, 0)
-
-    def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
-        return 0
-
-    def release(self, owner: str) -> None:
-        pass
-
-    def chain_tokens(self, owner: str) -> int:
-        return 0
-
-    def chain_lengths(self) -> dict[str, int]:
-        return {}
 
     def snapshot(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
         return []
