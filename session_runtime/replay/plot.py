@@ -33,8 +33,8 @@ def plot_composition(path: str | Path, title: str, compositions: Mapping[str, Se
             ax.bar(x, heights, bottom=bottom, color=COLORS[cat], label=cat, width=0.8)
             bottom = [b + h for b, h in zip(bottom, heights)]
         share = shares[name]
-        ax.set_title(f"{name}: reasoning is {share.last_view:.1%} of the last request (lastView), "
-                     f"{share.burden:.1%} of all requests' tokens (burden)", fontsize=9)
+        ax.set_title(f"{name}: reasoning {share.last_view:.1%} of the last request (lastView), "
+                     f"{share.burden:.1%} of all requests' tokens (burden)", fontsize=8)
         ax.set_ylabel("prompt tokens")
         ax.set_xticks(list(x), [f"{c.turn + 1}.{c.step + 1}" for c in comps], rotation=90, fontsize=7)
     axes[-1, 0].set_xlabel("request (turn.step)")
