@@ -257,8 +257,12 @@ def serve(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", module="sglang")
     wait = "starting SGLang's server takes about a minute on a CPU" if config.backend == "sglang" else \
         "importing SGLang takes 6-20 s"
-    print(f"session-runtime: loading {config.model} on {config.device} with the {config.backend} backend ({wait}), "
-          f"then serving http://{args.host}:{args.port}", flush=True)
+    if config.backend == "upstream":  # no model here: the template's tokenizer counts what is stripped
+        print(f"session-runtime: {config.upstream_protocol} upstream at {config.upstream_url}, counting tokens with "
+              f"{config.model}'s tokenizer ({wait}), then serving http://{args.host}:{args.port}", flush=True)
+    else:
+        print(f"session-runtime: loading {config.model} on {config.device} with the {config.backend} backend "
+              f"({wait}), then serving http://{args.host}:{args.port}", flush=True)
     from session_runtime.api.app import create_app
     from session_runtime.errors import InvalidRequest
     from session_runtime.runtime import Runtime
