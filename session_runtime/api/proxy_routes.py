@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from session_runtime.protocols import get_protocol
 
 STRIPPER_HEADER = "x-session-runtime-stripper"
-CHAT_PROTOCOLS = ("deepseek", "openai-chat")  # the protocols of /v1/chat/completions
 
 
 def request_body(body) -> dict:
@@ -37,24 +36,10 @@ def proxy_completion(backend, body: dict, record_step: Callable) -> object:
         status, chunks, account = backend.forward_stream(body)
         headers = {STRIPPER_HEADER: json.dumps(account.as_dict(), separators=(",", ":"))}
         return StreamingResponse(chunks, status_code=status, media_type="text/event-stream", headers=headers)
-    forwarded, completion = backend.forward_chat(body)
-    acc = forwarded.reply.usage
-    record_step(_usage_accounting(acc, forwarded), forwarded.elapsed_ms)
+    forwarded, completion, acc = backend.forward_chat(body)
+    record_step(acc, forwarded.elapsed_ms)
     headers = {STRIPPER_HEADER: json.dumps(forwarded.strip.as_dict(), separators=(",", ":"))}
     return JSONResponse(completion, headers=headers)
-
-
-def _usage_accounting(usage, forwarded):
-    from session_runtime.accounting import StepAccounting
-
-    prompt = usage.prompt_tokens if usage else 0
-    cached = usage.cached_input_tokens if usage else None
-    return StepAccounting(
-        prompt_tokens=prompt, cached_input_tokens=cached, host_loaded_tokens=0,
-        uncached_prefill_tokens=None if cached is None else prompt - cached, logical_reusable_tokens=0,
-        alignment_loss_tokens=0, recomputed_history_tokens=0, active_context_length=0,
-        output_tokens=usage.completion_tokens if usage else 0, kv_device_bytes=0, kv_host_bytes=0,
-        prefill_ms=0.0, ttft_ms=forwarded.elapsed_ms, tpot_ms=0.0, attention_work=0)
 
 
 def validation_error(protocol: Optional[str], body: dict) -> Optional[JSONResponse]:

@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 from session_runtime.protocols.base import (
     ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, error_message,
-    expect_ints, expect_list, expect_object, expect_str, is_int, render_messages_request, strip_result,
+    expect_ints, expect_list, expect_object, expect_str, is_int, parse_messages_request, render_messages_request,
+    strip_result,
 )
 from session_runtime.protocols.canonical import Call, ChatRequest, Msg, Reasoning, Reply, Usage
 
@@ -55,14 +56,7 @@ class Anthropic(ChatProtocol):
     name = "anthropic"
 
     def parse_request(self, body: dict) -> ChatRequest:
-        expect_object(body, "body")
-        if "messages" not in body:
-            raise ProtocolInputError("messages", "required")
-        items = expect_list(body["messages"], "messages")
-        messages = tuple(self.parse_message(m, f"messages[{i}]") for i, m in enumerate(items))
-        listed = isinstance(body.get("tools"), list)
-        params = {k: clone(v) for k, v in body.items() if k != "messages" and not (k == "tools" and listed)}
-        return ChatRequest(messages, tuple(clone(body["tools"])) if listed else (), params, tuple(body))
+        return parse_messages_request(body, self.parse_message)
 
     def render_request(self, req: ChatRequest) -> dict:
         return render_messages_request(req, self.render_message)

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 from session_runtime.protocols.canonical import ChatRequest, Msg, Reasoning, Reply
 
 PASSTHROUGH_ENV = "SESSION_RUNTIME_REASONING_PASSTHROUGH"
+CHAT_PROTOCOLS = ("deepseek", "openai-chat")  # Chat Completions: one message shape, /chat/completions
 
 
 class ProtocolInputError(ValueError):
@@ -144,6 +145,21 @@ def clone(value: Any) -> Any:
 
 def compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def parse_messages_request(body: Any, parse_message) -> ChatRequest:
+    """A body with a `messages` list (Chat Completions, Anthropic): each message
+    by `parse_message(m, path)`, the tools when they are a list (a `tools: null`
+    stays a param, verbatim), every other field a param, the key order kept."""
+    expect_object(body, "body")
+    if "messages" not in body:
+        raise ProtocolInputError("messages", "required")
+    items = expect_list(body["messages"], "messages")
+    messages = tuple(parse_message(m, f"messages[{i}]") for i, m in enumerate(items))
+    tools = body.get("tools")
+    listed = isinstance(tools, list)
+    params = {k: clone(v) for k, v in body.items() if k != "messages" and not (k == "tools" and listed)}
+    return ChatRequest(messages, tuple(clone(tools)) if listed else (), params, tuple(body))
 
 
 def render_messages_request(req: ChatRequest, render_message) -> dict:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from session_runtime.protocols.base import CHAT_PROTOCOLS
 from session_runtime.protocols.canonical import Call, ChatRequest, Msg, Reasoning, reasoning_text
 
-CHAT = ("deepseek", "openai-chat")
 _CARRIED = ("model", "max_tokens", "temperature", "top_p")
 
 
@@ -27,9 +27,9 @@ def to_chat(req: ChatRequest, source: str, target: str = "deepseek") -> ChatRequ
     every field (DeepSeek's reasoning is `reasoning_content`, its system role
     stands in for `developer`); from Anthropic and Responses the history is
     rebuilt from the fields listed in the module docstring."""
-    if target not in CHAT:
-        raise ValueError(f"cannot convert to {target!r}; only to {' or '.join(CHAT)}")
-    if source in CHAT:
+    if target not in CHAT_PROTOCOLS:
+        raise ValueError(f"cannot convert to {target!r}; only to {' or '.join(CHAT_PROTOCOLS)}")
+    if source in CHAT_PROTOCOLS:
         return req if target == "openai-chat" else dataclasses.replace(
             req, messages=tuple(_deepseek_message(m) for m in req.messages))
     if source == "anthropic":

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from session_runtime.errors import InvalidRequest, UpstreamError, UpstreamUnavailable
 from session_runtime.protocols import get_protocol
-from session_runtime.protocols.base import ProtocolInputError, StripOptions
+from session_runtime.protocols.base import ProtocolInputError, StripOptions, error_message
 from session_runtime.protocols.canonical import ChatRequest, Reply, reasoning_text
 from session_runtime.proxy.client import UpstreamClient
 
@@ -109,7 +109,7 @@ class Outbound:
         """The provider's 4xx in our error shape: its body, its known name, and
         what the stripper did (the usual cause of a reasoning 400)."""
         name = self.protocol.known_error(status, body if isinstance(body, dict) else {})
-        message = _provider_message(body)
+        message = error_message(body) or str(body)[:500]
         hint = ""
         if name is not None:
             hint = f" (known provider error {name}; the stripper ran in {account.mode} mode"
@@ -120,15 +120,14 @@ class Outbound:
 
     def _account(self, request: ChatRequest, result) -> StripAccount:
         total, reasoning = self._tokens(request)
-        sent_total, sent_reasoning = self._tokens(result.request)
-        stripped = list(result.stripped_texts)
+        # The stripper only takes reasoning out (a rewritten nudge keeps its text):
+        # what is sent is what came, less what it took; no second count.
+        stripped = sum(self.count(t) for t in result.stripped_texts)
         return StripAccount(
             protocol=self.client.protocol, mode=result.mode, nudge_rewritten=result.nudge_rewritten,
-            messages_stripped=len(result.stripped_indexes),
-            stripped_tokens=sum(self.count(t) for t in stripped),
-            stripped_bytes=sum(len(t.encode("utf-8")) for t in stripped),
-            request_tokens=total, reasoning_tokens=reasoning, sent_tokens=sent_total,
-            sent_reasoning_tokens=sent_reasoning,
+            messages_stripped=len(result.stripped_indexes), stripped_tokens=stripped,
+            stripped_bytes=result.stripped_bytes, request_tokens=total, reasoning_tokens=reasoning,
+            sent_tokens=total - stripped, sent_reasoning_tokens=reasoning - stripped,
         )
 
     def _tokens(self, request: ChatRequest) -> tuple[int, int]:
@@ -153,12 +152,3 @@ def _text(content: object) -> str:
                              p.get("content") if isinstance(p, dict) else p) for p in content)
     return json.dumps(content, ensure_ascii=False)
 
-
-def _provider_message(body: object) -> str:
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-        if isinstance(body.get("message"), str):
-            return body["message"]
-    return str(body)[:500]

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from session_runtime.protocols.anthropic import thinking_enabled
+from session_runtime.protocols.base import CHAT_PROTOCOLS  # a client's "chat" wire goes to either as it is
 from session_runtime.protocols.canonical import Reply, reasoning_text
 from session_runtime.templates.base import Message, ToolCall, tool_schema
 
-CHAT = ("deepseek", "openai-chat")  # a client's chat message ("chat" wire) goes to either as it is
 # The provider's finish reasons that mean the token budget ran out.
 _LENGTH = {"length", "max_tokens", "max_output_tokens", "incomplete"}
 
@@ -40,7 +40,7 @@ def wire_of(protocol: str, message: Message) -> Optional[object]:
     if not message.wire:
         return None
     stored = json.loads(message.wire)
-    same = stored.get("protocol") == protocol or (stored.get("protocol") == "chat" and protocol in CHAT)
+    same = stored.get("protocol") == protocol or (stored.get("protocol") == "chat" and protocol in CHAT_PROTOCOLS)
     return stored["message"] if same else None
 
 

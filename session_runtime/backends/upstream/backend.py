@@ -22,14 +22,11 @@ from session_runtime.accounting import StepAccounting
 from session_runtime.backends.base import Backend, HoldsNoChain, StepRequest, StepResult, StepTiming, WireReply
 from session_runtime.errors import InvalidRequest, UpstreamUnavailable
 from session_runtime.metrics import Sample
-from session_runtime.protocols.base import StripOptions, passthrough_from_env
+from session_runtime.protocols.base import CHAT_PROTOCOLS, StripOptions, passthrough_from_env
 from session_runtime.protocols.canonical import Usage
 from session_runtime.proxy.client import UpstreamClient
 from session_runtime.proxy.outbound import Forwarded, Outbound, StripAccount
 from session_runtime.proxy.transcript import reply_parts, request_body
-
-
-CHAT_PROTOCOLS = ("deepseek", "openai-chat")  # a chat completion goes to these as it came
 
 
 class UpstreamBackend(HoldsNoChain, Backend):
@@ -90,21 +87,8 @@ class UpstreamBackend(HoldsNoChain, Backend):
                 req.on_token(tok)
         usage = sent.reply.usage or Usage(len(req.prompt), len(output))
         elapsed = (time.perf_counter() - t0) * 1e3
-        prompt = usage.prompt_tokens
-        cached = usage.cached_input_tokens
-        upstream = {"protocol": self.config.upstream_protocol, "model": params["model"], "id": sent.reply.id,
-                    "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                              "cached_input_tokens": cached, "reasoning_tokens": usage.reasoning_tokens},
-                    "stripper": sent.strip.as_dict(), "elapsed_ms": round(sent.elapsed_ms, 2)}
-        acc = StepAccounting(
-            prompt_tokens=prompt, cached_input_tokens=cached, host_loaded_tokens=0,
-            uncached_prefill_tokens=None if cached is None else prompt - cached,
-            logical_reusable_tokens=0, alignment_loss_tokens=0, recomputed_history_tokens=0,
-            active_context_length=len(req.prompt) + len(output),
-            output_tokens=usage.completion_tokens,
-            kv_device_bytes=0, kv_host_bytes=0, prefill_ms=0.0, ttft_ms=elapsed, tpot_ms=0.0, attention_work=0,
-            upstream=upstream,
-        )
+        upstream = self._record(sent, usage, model=params["model"])
+        acc = _accounting(usage, elapsed, len(req.prompt) + len(output), upstream)
         self._steps_ok += 1
         wire = WireReply(parts.reasoning, parts.content, parts.calls, parts.wire, upstream)
         return StepResult(output=output, finish_reason=parts.finish_reason, sequence=[*req.prompt, *output],
@@ -112,28 +96,22 @@ class UpstreamBackend(HoldsNoChain, Backend):
 
     # ----- a stateless chat completion (the client holds the transcript) ------------
 
-    def forward_chat(self, body: dict) -> tuple[Forwarded, dict]:
+    def forward_chat(self, body: dict) -> tuple[Forwarded, dict, StepAccounting]:
         """A chat completion body as the client sent it, stripped and sent; returns
-        what was forwarded and the provider's answer plus `accounting.upstream`."""
-        if self.config.upstream_protocol not in CHAT_PROTOCOLS:
-            raise InvalidRequest(f"a chat completion without conversation_id is forwarded as it is, so it needs a "
-                                 f"chat upstream ({', '.join(CHAT_PROTOCOLS)}), not {self.config.upstream_protocol}: "
-                                 "give a conversation_id, and the conversation speaks the upstream's protocol")
+        what was forwarded, the provider's answer plus `accounting.upstream`, and
+        the request's accounting (for the metrics)."""
+        self._check_chat()
         forwarded = self.outbound.send(body)
         self._steps_ok += 1
         usage = forwarded.reply.usage
-        upstream = {"protocol": self.config.upstream_protocol, "id": forwarded.reply.id,
-                    "usage": None if usage is None else {
-                        "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                        "cached_input_tokens": usage.cached_input_tokens, "reasoning_tokens": usage.reasoning_tokens},
-                    "stripper": forwarded.strip.as_dict(), "elapsed_ms": round(forwarded.elapsed_ms, 2)}
-        return forwarded, {**forwarded.body, "accounting": {"upstream": upstream}}
+        upstream = self._record(forwarded, usage)
+        acc = _accounting(usage or Usage(0, 0), forwarded.elapsed_ms, 0, None)
+        return forwarded, {**forwarded.body, "accounting": {"upstream": upstream}}, acc
 
     def forward_stream(self, body: dict) -> tuple[int, Iterator[bytes], StripAccount]:
         """The streamed form: (the provider's status, its SSE bytes as they come,
         what the stripper did). A refusal raises before any byte is sent."""
-        if self.config.upstream_protocol not in CHAT_PROTOCOLS:
-            self.forward_chat(body)  # raises the same InvalidRequest
+        self._check_chat()
         sent, account = self.outbound.prepare(body)
         stream = self.client.stream(sent)
         status, chunks = stream.__enter__()
@@ -159,6 +137,21 @@ class UpstreamBackend(HoldsNoChain, Backend):
 
         return status, relay(), account
 
+    def _check_chat(self) -> None:
+        """A chat completion is forwarded as it came: only to a chat upstream. Raises InvalidRequest."""
+        if self.config.upstream_protocol not in CHAT_PROTOCOLS:
+            raise InvalidRequest(f"a chat completion without conversation_id is forwarded as it is, so it needs a "
+                                 f"chat upstream ({', '.join(CHAT_PROTOCOLS)}), not {self.config.upstream_protocol}: "
+                                 "give a conversation_id, and the conversation speaks the upstream's protocol")
+
+    def _record(self, sent: Forwarded, usage: Optional[Usage], **extra) -> dict:
+        """`accounting.upstream`: the provider's usage (None when it gave none) and what the stripper did."""
+        return {"protocol": self.config.upstream_protocol, **extra, "id": sent.reply.id,
+                "usage": None if usage is None else {
+                    "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                    "cached_input_tokens": usage.cached_input_tokens, "reasoning_tokens": usage.reasoning_tokens},
+                "stripper": sent.strip.as_dict(), "elapsed_ms": round(sent.elapsed_ms, 2)}
+
     # ----- no KV here --------------------------------------------------------------
 
     def snapshot(self, preview: Callable[[Sequence[int]], str], owner: Optional[str] = None) -> list[NodeInfo]:
@@ -180,3 +173,16 @@ class UpstreamBackend(HoldsNoChain, Backend):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _accounting(usage: Usage, elapsed_ms: float, context: int, upstream: Optional[dict]) -> StepAccounting:
+    """A step's accounting from the provider's usage: no KV lives here, so the
+    local figures are 0; cached and prefilled tokens are None where the provider
+    does not say."""
+    cached = usage.cached_input_tokens
+    return StepAccounting(
+        prompt_tokens=usage.prompt_tokens, cached_input_tokens=cached, host_loaded_tokens=0,
+        uncached_prefill_tokens=None if cached is None else usage.prompt_tokens - cached,
+        logical_reusable_tokens=0, alignment_loss_tokens=0, recomputed_history_tokens=0,
+        active_context_length=context, output_tokens=usage.completion_tokens, kv_device_bytes=0, kv_host_bytes=0,
+        prefill_ms=0.0, ttft_ms=elapsed_ms, tpot_ms=0.0, attention_work=0, upstream=upstream)
