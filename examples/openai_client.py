@@ -13,8 +13,9 @@ The OpenAI API has no forced output, so the model samples every reply (keep
 `--max-tokens` small on CPU). The default `tiny` model has random weights and
 practically never calls a tool; when it makes no call where the scripted policy
 wants one, the agent substitutes the policy's tool-call message for the sampled
-reply in its history (an OpenAI client may send any history: the server adopts
-it and still reuses the common prefix). `--no-fallback` keeps the pure sampled
+reply in its history and sends `"replace": true` with the next request, so the
+server adopts the rewritten history (and still reuses the common prefix) instead
+of refusing it with 409. `--no-fallback` keeps the pure sampled
 loop, which is what a real model (`serve --model PATH`) needs.
 """
 
@@ -53,13 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"conversation_id {cid}; sampled output, max_tokens {args.max_tokens}")
     requests = 0
     cached_total = prompt_total = 0
+    rewritten = False  # the agent changed what the model said: the next request replaces the stored history
 
     def ask() -> object:
-        nonlocal requests, cached_total, prompt_total
+        nonlocal requests, cached_total, prompt_total, rewritten
+        # "create" on the first request makes the conversation under our id; later
+        # ones continue it, and the server refuses (409) a history that differs
+        # from the stored one unless the request says "replace".
         resp = client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, max_tokens=args.max_tokens,
-            temperature=0.0, extra_body={"conversation_id": cid},
+            model=model, messages=messages, tools=TOOLS, max_tokens=args.max_tokens, temperature=0.0,
+            extra_body={"conversation_id": cid, "create": requests == 0, "replace": rewritten},
         )
+        rewritten = False
         requests += 1
         u = resp.usage
         cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 plan = policy.plan(task)
                 if plan["tool_calls"]:
                     print("    the model made no tool call; the scripted policy's calls replace its reply")
+                    rewritten = True
                     reply = {"role": "assistant", "content": "", "reasoning_content": plan["reasoning"]}
                     calls = [{"id": f"call_{requests}_{k}", "type": "function",
                               "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    (stopped after {args.max_steps} requests)")
             if messages[-1]["role"] == "tool":  # the history must not end with unanswered results
                 messages.append({"role": "assistant", "content": "(step limit reached)"})
+                rewritten = True
 
     print(f"\n{requests} requests: {cached_total} of {prompt_total} prompt tokens were cached "
           f"({100 * cached_total / max(prompt_total, 1):.1f}%)")

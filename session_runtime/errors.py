@@ -58,6 +58,14 @@ class ConversationBusy(RuntimeErrorBase):
     error_type = "conflict"
 
 
+class HistoryConflict(RuntimeErrorBase):
+    """A chat client's history is not the stored conversation's (nor only new
+    input): refused rather than replace what is stored."""
+
+    status = 409
+    error_type = "history_conflict"
+
+
 class ToolCallConflict(RuntimeErrorBase):
     """A tool result for an unknown or already answered call, or none pending."""
 

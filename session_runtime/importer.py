@@ -24,6 +24,7 @@ def client_messages(tpl: Template, raw: Sequence[dict]) -> list[Message]:
         if not isinstance(m, dict):
             raise InvalidRequest(f"messages[{i}] must be an object")
         role = m.get("role")
+        check_unicode(m, f"messages[{i}]")
         content = text_content(m.get("content"), f"messages[{i}].content")
         if role == "user":
             turn += 1
@@ -47,6 +48,19 @@ def client_messages(tpl: Template, raw: Sequence[dict]) -> list[Message]:
         else:
             raise InvalidRequest(f"messages[{i}].role must be user, assistant or tool (system first)")
     return out
+
+
+def check_unicode(value: object, where: str) -> None:
+    """Raise InvalidRequest for text that is not valid Unicode anywhere in `value`
+    (a lone surrogate from a JSON escape): it could not be stored or returned."""
+    import json
+
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{where} is not valid Unicode: {exc.reason}") from None
+    except (TypeError, ValueError, RecursionError):
+        raise InvalidRequest(f"{where} is not a JSON value") from None
 
 
 def text_content(content: object, where: str = "content") -> str:
@@ -90,37 +104,6 @@ def with_chat_wire(messages: Sequence[Message], raw: Sequence[dict]) -> list[Mes
     assert len(messages) == len(raw), "one Message per client message"
     return [dataclasses.replace(m, wire=json.dumps({"protocol": "chat", "message": r}, ensure_ascii=False))
             if m.role == "assistant" else m for m, r in zip(messages, raw)]
-
-
-def same_history(conv: Conversation, messages: Sequence[Message]) -> bool:
-    """Does the conversation's trace say what the client's history says? Reasoning
-    is not compared: clients may drop it between turns."""
-    trace = _results_by_id([e.message for e in conv.trace])
-    messages = _results_by_id(messages)
-    if len(trace) != len(messages):
-        return False
-    for a, b in zip(trace, messages):
-        if (a.role, a.content.strip(), a.tool_call_id) != (b.role, b.content.strip(), b.tool_call_id):
-            return False
-        if [(c.id, c.name) for c in a.tool_calls] != [(c.id, c.name) for c in b.tool_calls]:
-            return False
-    return True
-
-
-def _results_by_id(messages: Sequence[Message]) -> list[Message]:
-    """Tool results answer one step's calls together, in any order: sort each run
-    by call id so the order a client sends them in does not count."""
-    out: list[Message] = []
-    run: list[Message] = []
-    for m in [*messages, None]:
-        if m is not None and m.role == "tool":
-            run.append(m)
-            continue
-        out += sorted(run, key=lambda r: r.tool_call_id)
-        run = []
-        if m is not None:
-            out.append(m)
-    return out
 
 
 def adopt(conv: Conversation, tpl: Template, messages: Sequence[Message]) -> None:

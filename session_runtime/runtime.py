@@ -33,7 +33,7 @@ from session_runtime.step import Step
 from session_runtime.store import Store
 from session_runtime.templates import Message, Template, ToolCall, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
-from session_runtime import importer
+from session_runtime import continuation, importer
 from session_runtime.inspection import RuntimeInspection
 from session_runtime import turns as turn_rules
 
@@ -148,8 +148,11 @@ class Runtime(RuntimeInspection):
         ttl_s: float = 2.0,
         conversation_id: Optional[str] = None,
         stateless: bool = False,
+        history: Sequence[dict] = (),
     ) -> str:
-        """Create an empty conversation; returns its id. `stateless`: a throw-away
+        """Create a conversation; returns its id. `history`: a chat client's
+        earlier messages (OpenAI's, without the system one), adopted before the
+        conversation is visible to any other request. `stateless`: a throw-away
         one for a single request (many SGLang workers: sglang-router routes its
         steps). Raises InvalidRequest, or ConversationBusy when `conversation_id`
         is taken."""
@@ -174,6 +177,9 @@ class Runtime(RuntimeInspection):
             materialize=MaterializeSettings(materialize, continue_probability=continue_probability),
             offload=OffloadSettings(offload or self.config.offload, ttl_s=ttl_s),
         )
+        if history:
+            self._adopt(conv, conv.system, conv.tools, history)
+            conv.version = 0
         limit = self.config.max_conversations_per_tenant
         with self._lock:
             if conv.id in self.conversations:
@@ -194,46 +200,57 @@ class Runtime(RuntimeInspection):
             raise StorageUnavailable(f"the conversation could not be saved, so it was not created: {exc}") from exc
         return conv.id
 
-    def adopt_history(self, conversation_id: str, system: Optional[str], tools: Sequence[dict],
-                      raw_messages: Sequence[dict]) -> bool:
+    def _adopt(self, conv: Conversation, system: Optional[str], tools: Sequence[dict],
+               raw_messages: Sequence[dict]) -> bool:
         """Make the conversation's system prompt, tools and history the client's
-        (OpenAI messages without the system one). Keeps it as is when it already
-        says the same; returns whether it had to be replaced. Raises InvalidRequest."""
-        with self._locked(conversation_id) as conv:
-            tpl = self.template(conv.template)
-            messages = importer.client_messages(tpl, raw_messages)
-            if self.backend.wants_transcript:  # upstream mode: the client's assistant messages go back as sent
-                messages = importer.with_chat_wire(messages, raw_messages)
-            if conv.system == system and conv.tools == list(tools) and importer.same_history(conv, messages):
-                return False
-            self.materializer.cancel(conv.id)
-            conv.system, conv.tools = system, list(tools)
-            importer.adopt(conv, tpl, messages)
-            conv.version += 1
-            self._persist(conv)
-            return True
-
-    def snapshot_conversation(self, conversation_id: str) -> Conversation:
-        """A deep copy of the conversation's layers, for `restore_conversation`."""
-        with self._locked(conversation_id) as conv:
-            return copy.deepcopy(conv)
-
-    def restore_conversation(self, saved: Conversation, expected_version: int) -> bool:
-        """Put back a snapshot's layers (a multi-step request failed half-way), in
-        place and under the conversation's lock, only if nothing else committed
-        since that request's own change (`expected_version`): a step another
-        request completed meanwhile is never undone, and a conversation deleted
-        meanwhile stays deleted. Its chain is physical state and stays as it is.
-        Returns whether it restored."""
-        try:
-            with self._locked(saved.id) as conv:
-                if conv.version != expected_version:
-                    return False
-                conv.__dict__.update(copy.deepcopy(saved).__dict__)
-                self._persist(conv)
-                return True
-        except ConversationNotFound:
+        (OpenAI messages without the system one), in memory only: the caller
+        persists it with the step that follows. Keeps it as is when it already
+        says the same; returns whether it replaced it. Raises InvalidRequest."""
+        _utf8("system", system or "", "tools", json.dumps(list(tools), ensure_ascii=False))
+        tpl = self.template(conv.template)
+        messages = importer.client_messages(tpl, raw_messages)
+        if self.backend.wants_transcript:  # upstream mode: the client's assistant messages go back as sent
+            messages = importer.with_chat_wire(messages, raw_messages)
+        if (conv.system, conv.tools) == (system, list(tools)) and \
+                continuation.first_difference([e.message for e in conv.trace], messages) is None:
             return False
+        self.materializer.cancel(conv.id)
+        conv.system, conv.tools = system, list(tools)
+        importer.adopt(conv, tpl, messages)
+        conv.version += 1
+        return True
+
+    def chat_step(self, conversation_id: str, request: continuation.ChatInput, *, replace: bool = False,
+                  forced: Optional[dict] = None, **options) -> Step:
+        """A stateless chat client's request on a stored conversation: check that
+        its history continues the conversation (continuation.py), or with
+        `replace` make the client's history the conversation's, then run the new
+        input as a step (`options` as send_message's). Check, step and commit
+        hold the conversation's lock, so concurrent requests run one after the
+        other and each sees what the previous one stored.
+
+        Raises HistoryConflict (409) for another history, ConversationBusy when
+        a user message comes while tool calls are pending, ToolCallConflict and
+        the step's errors; on any error the conversation is as it was, in memory
+        and in the store."""
+        content = request.user_content
+        if content is not None:
+            self._check_message(content)
+        with self._locked(conversation_id) as conv:
+            before = copy.deepcopy(conv) if replace else None
+            if replace:
+                self._adopt(conv, request.system, request.tools if request.tools is not None else conv.tools,
+                            request.history)
+            else:
+                continuation.check(conv, self.template(conv.template), request)
+            try:
+                if content is not None:
+                    return self._message_step(conv, content, forced=forced, **options)
+                return self._results_step(conv, request.tool_results(), forced=forced, **options)
+            except BaseException:
+                if before is not None:  # nothing of the replaced history was stored: put it back in memory
+                    conv.__dict__.update(before.__dict__)
+                raise
 
     def get(self, conversation_id: str) -> Conversation:
         """Raises ConversationNotFound."""
@@ -303,18 +320,30 @@ class Runtime(RuntimeInspection):
         pending), InvalidRequest, ContextTooLong or PoolExhausted; on error nothing
         changes.
         """
+        self._check_message(content)
+        with self._locked(conversation_id) as conv:
+            return self._message_step(conv, content, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                      logprobs=logprobs, forced=forced, on_token=on_token, cancel=cancel,
+                                      top_p=top_p, top_logprobs=top_logprobs)
+
+    def _check_message(self, content: object) -> None:
+        """Refuse a user message before taking any lock. Raises InvalidRequest, ContextTooLong."""
         if not isinstance(content, str) or not content.strip():
             raise InvalidRequest("message content must be a non-empty string")
         _utf8("content", content)
         self._fits("content", content)
-        with self._locked(conversation_id) as conv:
-            if conv.protocol is not None:
-                pending = [c.id for c in conv.protocol.pending_calls]
-                raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}")
-            turn = len(conv.turns)
-            return self._step(conv, [Message("user", turn, content)], turn,
-                              self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs),
-                              forced, on_token, cancel)
+
+    def _message_step(self, conv: Conversation, content: str, *, max_tokens=None, temperature=0.0, seed=None,
+                      logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0, top_logprobs=0) -> Step:
+        """send_message's step, the conversation's lock held."""
+        if conv.protocol is not None:
+            pending = [c.id for c in conv.protocol.pending_calls]
+            raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}; answer them "
+                                   "first")
+        turn = len(conv.turns)
+        return self._step(conv, [Message("user", turn, content)], turn,
+                          self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs),
+                          forced, on_token, cancel)
 
     def send_tool_results(
         self,
@@ -337,28 +366,36 @@ class Runtime(RuntimeInspection):
         InvalidRequest (a pending call left unanswered), and the send_message errors.
         """
         with self._locked(conversation_id) as conv:
-            if conv.protocol is None:
-                raise ToolCallConflict("no tool call is pending in this conversation")
-            by_id = {}
-            for r in results:
-                if not isinstance(r, dict) or not isinstance(r.get("tool_call_id"), str) or not isinstance(r.get("content", ""), str):
-                    raise InvalidRequest("each result must be {tool_call_id: str, content: str}")
-                _utf8("tool result", r.get("content", ""))
-                self._fits("tool result", r.get("content", ""))
-                by_id.setdefault(r["tool_call_id"], []).append(r.get("content", ""))
-            pending = {c.id: c for c in conv.protocol.pending_calls}
-            unknown = [i for i in by_id if i not in pending]
-            repeated = [i for i, v in by_id.items() if len(v) > 1]
-            if unknown or repeated:
-                raise ToolCallConflict(f"unknown or already answered tool calls: {unknown + repeated}")
-            missing = [i for i in pending if i not in by_id]
-            if missing:
-                raise InvalidRequest(f"results must answer every pending call; missing {missing}")
-            turn = conv.protocol.turn
-            msgs = [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
-            return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p,
-                                                                 top_logprobs),
-                              forced, on_token, cancel)
+            return self._results_step(conv, results, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                      logprobs=logprobs, forced=forced, on_token=on_token, cancel=cancel,
+                                      top_p=top_p, top_logprobs=top_logprobs)
+
+    def _results_step(self, conv: Conversation, results: Sequence[dict], *, max_tokens=None, temperature=0.0,
+                      seed=None, logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0,
+                      top_logprobs=0) -> Step:
+        """send_tool_results' step, the conversation's lock held."""
+        if conv.protocol is None:
+            raise ToolCallConflict("no tool call is pending in this conversation")
+        by_id = {}
+        for r in results:
+            if not isinstance(r, dict) or not isinstance(r.get("tool_call_id"), str) or not isinstance(r.get("content", ""), str):
+                raise InvalidRequest("each result must be {tool_call_id: str, content: str}")
+            _utf8("tool result", r.get("content", ""))
+            self._fits("tool result", r.get("content", ""))
+            by_id.setdefault(r["tool_call_id"], []).append(r.get("content", ""))
+        pending = {c.id: c for c in conv.protocol.pending_calls}
+        unknown = [i for i in by_id if i not in pending]
+        repeated = [i for i, v in by_id.items() if len(v) > 1]
+        if unknown or repeated:
+            raise ToolCallConflict(f"unknown or already answered tool calls: {unknown + repeated}")
+        missing = [i for i in pending if i not in by_id]
+        if missing:
+            raise InvalidRequest(f"results must answer every pending call; missing {missing}")
+        turn = conv.protocol.turn
+        msgs = [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
+        return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p,
+                                                             top_logprobs),
+                          forced, on_token, cancel)
 
     @property
     def max_tokens_limit(self) -> int:
@@ -562,6 +599,7 @@ class Runtime(RuntimeInspection):
             content=parsed.content, tool_calls=[c.as_dict() for c in parsed.tool_calls],
             finish_reason=finish, output_ids=result.output, logprobs=result.logprobs, accounting=acc,
             top_logprobs=result.top_logprobs,
+            reasoning_tokens=len(result.output) - len(parsed.answer_ids) - int(parsed.ended),
         )
 
     def _close_turn(self, conv, tpl, ns, record: TurnRecord, generated: list[int], acc, parsed):

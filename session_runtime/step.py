@@ -21,6 +21,7 @@ class Step:
     logprobs: Optional[list[float]]
     accounting: StepAccounting
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per output token: (id, logprob), best first
+    reasoning_tokens: int = 0  # output tokens before the answer: the reasoning and its end marker
 
     def as_dict(self) -> dict:
         return {

@@ -15,6 +15,7 @@ penalties, `logit_bias`, `response_format`, `stop`, `n` > 1) are refused with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -29,11 +30,17 @@ from session_runtime.api.errors import ModelNotFound, openai_body
 from session_runtime.api.proxy_routes import answerable, proxy_completion, request_body, validation_error
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable, sse_step
-from session_runtime.errors import ConversationNotFound, InvalidRequest
-from session_runtime.importer import text_content
+from session_runtime import continuation
+from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest
 from session_runtime.protocols.base import CHAT_PROTOCOLS
 from session_runtime.runtime import Runtime
 from session_runtime.step import Step
+
+class UnknownConversation(ConversationNotFound):
+    def __str__(self) -> str:
+        return (f"conversation {self.args[0]!r} not found; to create it with this id, send \"create\": true "
+                "with conversation_id")
+
 
 _FINISH = {"forced": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
@@ -56,6 +63,8 @@ class ChatRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=1)  # one choice: a conversation has one chain
     stop: Optional[Union[str, list[str]]] = None
     stream_options: Optional[dict[str, Any]] = None
+    create: bool = False  # with conversation_id: create it when it does not exist
+    replace: bool = False  # with conversation_id: the client's history replaces the stored one
 
 
 def _tool_calls(step: Step) -> list[dict]:
@@ -68,7 +77,8 @@ def _usage(step: Step) -> dict:
     acc = step.accounting
     return {"prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.output_tokens,
             "total_tokens": acc.prompt_tokens + acc.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": acc.cached_input_tokens}}
+            "prompt_tokens_details": {"cached_tokens": acc.cached_input_tokens},
+            "completion_tokens_details": {"reasoning_tokens": step.reasoning_tokens}}
 
 
 def _logprobs(step: Step, decode: Callable[[list[int]], str]) -> Optional[dict]:
@@ -158,38 +168,9 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
         _refuse_unsupported(body)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = runtime.max_tokens(limit, default=256)  # refused before anything changes
-        system, rest = None, list(body.messages)
-        if rest and rest[0].get("role") in ("system", "developer"):
-            system = text_content(rest.pop(0).get("content")) or None
-        tail = _tail(rest)
-        if tail[0].get("role") == "user":
-            content = text_content(tail[0].get("content"))
-            call = lambda **kw: runtime.send_message(cid, content, **kw)  # noqa: E731
-        else:
-            results = [{"tool_call_id": str(m.get("tool_call_id", "")), "content": text_content(m.get("content"))}
-                       for m in tail]
-            call = lambda **kw: runtime.send_tool_results(cid, results, **kw)  # noqa: E731
-        cid, saved, fresh = _conversation(runtime, body, system, caller)
-        ephemeral = fresh and not body.conversation_id
-
-        adopted = False
-        mine = 0  # the conversation's version after this request's own last change
-
-        def undo() -> None:
-            # A failed request changes nothing: forget what it created, or put
-            # back the conversation it adopted a history into, unless another
-            # request has committed since (then that request's turn stays).
-            if fresh:
-                runtime.delete_conversation(cid, if_version=mine)
-            elif saved is not None and adopted:
-                runtime.restore_conversation(saved, saved.version + 1)
-
-        try:
-            adopted = runtime.adopt_history(cid, system, body.tools or [], rest[: len(rest) - len(tail)])
-            mine = runtime.get(cid).version
-        except Exception:
-            undo()
-            raise
+        request = continuation.split(body.messages, body.tools)
+        cid, created = _conversation(runtime, body, request, caller)
+        ephemeral = created and not body.conversation_id
         options = {"max_tokens": max_tokens,
                    "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "logprobs": body.logprobs,
                    "top_logprobs": body.top_logprobs or 0}
@@ -199,9 +180,12 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
         def run(on_token=None, step_cancel=cancel) -> Step:
             t0 = time.perf_counter()
             try:
-                step = call(on_token=on_token, cancel=step_cancel, **options)
+                step = runtime.chat_step(cid, request, replace=body.replace, on_token=on_token, cancel=step_cancel,
+                                         **options)
             except Exception:  # counted where it is answered: the error handlers, or a late stream event
-                undo()
+                if created:  # forget what this request created, unless another request has stepped it since
+                    with contextlib.suppress(ConversationNotFound):
+                        runtime.delete_conversation(cid, if_version=0)
                 raise
             if ephemeral:
                 runtime.delete_conversation(cid)
@@ -233,39 +217,33 @@ def _check_model(runtime: Runtime, model: str) -> None:
                             "(GET /v1/models)", param="model")
 
 
-def _tail(messages: list[dict]) -> list[dict]:
-    """The new input: the last user message, or the trailing tool results."""
-    if not messages:
-        raise InvalidRequest("messages must hold a user message")
-    if messages[-1].get("role") == "user":
-        return messages[-1:]
-    if messages[-1].get("role") == "tool":
-        i = len(messages)
-        while i > 0 and messages[i - 1].get("role") == "tool":
-            i -= 1
-        return messages[i:]
-    raise InvalidRequest("the last message must be a user message or tool results")
-
-
-def _conversation(runtime: Runtime, body: ChatRequest, system: Optional[str], caller: Caller):
-    """(conversation id, snapshot to restore on failure, created by this request?).
-    Raises ConversationNotFound for another tenant's `conversation_id`."""
-    if body.conversation_id:
+def _conversation(runtime: Runtime, body: ChatRequest, request: continuation.ChatInput,
+                  caller: Caller) -> tuple[str, bool]:
+    """(conversation id, created by this request?). A new conversation holds the
+    client's system prompt, tools and earlier messages from the start. Raises
+    ConversationNotFound for an unknown `conversation_id` without `create` (or
+    another tenant's), ConversationBusy when `create` names another tenant's."""
+    options = dict(tools=request.tools, policy=body.policy, tenant=caller.tenant, history=request.history)
+    if not body.conversation_id:
+        if body.create or body.replace:
+            raise InvalidRequest("create and replace need a conversation_id", param="create" if body.create else "replace")
+        # Throw-away: with many SGLang workers, sglang-router routes its step by the prefix it carries.
+        return runtime.create_conversation(request.system, stateless=True, **options), True
+    cid = body.conversation_id
+    try:
+        conv = runtime.get(cid)
+    except ConversationNotFound:
+        if not body.create:
+            raise UnknownConversation(cid) from None
         try:
-            saved = runtime.snapshot_conversation(body.conversation_id)
-        except ConversationNotFound:
-            saved = None
-        if saved is not None:
-            if not caller.may_see(saved.tenant):
-                raise ConversationNotFound(body.conversation_id)
-            return body.conversation_id, saved, False
-        cid = runtime.create_conversation(system, tools=body.tools, policy=body.policy, tenant=caller.tenant,
-                                          conversation_id=body.conversation_id)
-        return cid, None, True
-    # Throw-away: with many SGLang workers, sglang-router routes its step by the prefix it carries.
-    cid = runtime.create_conversation(system, tools=body.tools, policy=body.policy, tenant=caller.tenant,
-                                      stateless=True)
-    return cid, None, True
+            return runtime.create_conversation(request.system, conversation_id=cid, **options), True
+        except ConversationBusy:  # another request created it first: continue it as any other request
+            conv = runtime.get(cid)
+    if not caller.may_see(conv.tenant):
+        if body.create:
+            raise ConversationBusy(f"conversation_id {cid!r} is taken; choose another")
+        raise UnknownConversation(cid)
+    return cid, False
 
 
 def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False,

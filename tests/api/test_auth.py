@@ -110,13 +110,19 @@ def test_the_openai_route_with_another_tenants_conversation_id_is_404(clients, k
          OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY_B, max_retries=0, timeout=120) as oai_b:
         messages = [{"role": "system", "content": "[auth-oai] A's."}, {"role": "user", "content": "Hi"}]
         oai_a.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
-                                      extra_body={"conversation_id": "auth-oai-a"})
+                                      extra_body={"conversation_id": "auth-oai-a", "create": True})
         before = snapshot(a, "auth-oai-a")
         for history in (messages, [{"role": "user", "content": "Replace A's history"}]):
             with pytest.raises(openai.NotFoundError) as e:
                 oai_b.chat.completions.create(model="tiny", messages=history, max_tokens=2,
                                               extra_body={"conversation_id": "auth-oai-a"})
-            assert e.value.response.json()["error"]["message"] == "conversation 'auth-oai-a' not found"
+            assert e.value.response.json()["error"]["message"] == (
+                "conversation 'auth-oai-a' not found; to create it with this id, send \"create\": true with "
+                "conversation_id")
+        with pytest.raises(openai.ConflictError) as e:  # ids are the server's: B cannot take A's
+            oai_b.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                          extra_body={"conversation_id": "auth-oai-a", "create": True})
+        assert e.value.response.json()["error"]["message"] == "conversation_id 'auth-oai-a' is taken; choose another"
         assert snapshot(a, "auth-oai-a") == before
         with pytest.raises(openai.AuthenticationError):
             with OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong", max_retries=0) as bad:
@@ -264,9 +270,9 @@ def test_the_openai_route_keeps_each_tenants_cache_apart(clients, keyed):
     with OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY_A, max_retries=0, timeout=120) as oai_a, \
          OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY_B, max_retries=0, timeout=120) as oai_b, \
          OpenAI(base_url=f"{keyed.url}/v1", api_key=ADMIN, max_retries=0, timeout=120) as oai_admin:
-        for name, oai, extra in (("a", oai_a, {}), ("b-id", oai_b, {"conversation_id": "oracle-b"}),
+        for name, oai, extra in (("a", oai_a, {}), ("b-id", oai_b, {"conversation_id": "oracle-b", "create": True}),
                                  ("admin", oai_admin, {}), ("b", oai_b, {}), ("a again", oai_a, {}),
-                                 ("a-id", oai_a, {"conversation_id": "oracle-a"})):
+                                 ("a-id", oai_a, {"conversation_id": "oracle-a", "create": True})):
             r = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=extra)
             assert r.usage.prompt_tokens == n
             cached[name] = r.usage.prompt_tokens_details.cached_tokens

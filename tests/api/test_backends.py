@@ -170,7 +170,7 @@ def test_sampled_steps_stream_and_delete(client, backend_live):
 
 def test_chat_completions_continue_the_chain(client, backend_live):
     cid = f"chat-{uuid.uuid4().hex[:8]}"
-    body = {"model": backend_live.runtime.model_id, "max_tokens": 4, "conversation_id": cid,  # the served one
+    body = {"model": backend_live.runtime.model_id, "max_tokens": 4, "conversation_id": cid, "create": True,  # the served one
             "messages": [{"role": "system", "content": "You are terse; this system prompt fills a whole page. "
                                                        + _system()}, {"role": "user", "content": "Hi"}]}
     first = client.post("/v1/chat/completions", json=body)

@@ -125,7 +125,7 @@ def test_max_tokens_over_the_limit_is_refused(limited):
     assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS  # 256 otherwise
     count = len(live.runtime.conversations)
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9,
-                                                  "conversation_id": "limits-new"})
+                                                  "conversation_id": "limits-new", "create": True})
     assert openai_error_of(r, 400, "invalid_request_error", None, "max_tokens") == message
     assert len(live.runtime.conversations) == count
 

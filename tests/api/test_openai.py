@@ -54,7 +54,7 @@ def reply(r) -> dict:
 
 def test_chat_with_system_and_user(oai, client, rt):
     system = "[basic] You are a terse assistant."
-    r = chat(oai, [sys(system), user("Hello")], max_tokens=8, extra_body={"conversation_id": "oa-basic"})
+    r = chat(oai, [sys(system), user("Hello")], max_tokens=8, extra_body={"conversation_id": "oa-basic", "create": True})
     n = first_prompt_len(rt, system, "Hello")
     assert r.object == "chat.completion" and r.model == "tiny" and r.id.startswith("chatcmpl-")
     choice = r.choices[0]
@@ -64,6 +64,7 @@ def test_chat_with_system_and_user(oai, client, rt):
     u = r.usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (n, 8, n + 8)
     assert u.prompt_tokens_details.cached_tokens == 0
+    assert u.completion_tokens_details.reasoning_tokens == 8  # never left its think block
     assert extra(r, "conversation_id") == "oa-basic"
 
     d = client.get("/v1/conversations/oa-basic").json()
@@ -96,7 +97,7 @@ def test_conversation_id_reuses_the_exact_fork(oai, client, rt):
     # pages up to 64, past the fork (inside page 48..63). At the turn's close the
     # drop chain moves to the fork exactly (its partial page copied into a private
     # page), so the conversation's next turn reuses all 55 tokens: no alignment loss.
-    r1 = chat(oai, [sys(system), user(u1)], max_tokens=11, extra_body={"conversation_id": "oa-reuse"})
+    r1 = chat(oai, [sys(system), user(u1)], max_tokens=11, extra_body={"conversation_id": "oa-reuse", "create": True})
     assert r1.usage.prompt_tokens == fork + 1 and r1.usage.prompt_tokens_details.cached_tokens == 0
     r2 = chat(oai, [sys(system), user(u1), reply(r1), user(u2)], max_tokens=6,
               extra_body={"conversation_id": "oa-reuse"})
@@ -138,7 +139,7 @@ def test_tool_call_history_round_trip(oai, client, rt):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = [sys(system), user("Weather in Paris?"), {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    r = chat(oai, messages, tools=TOOLS, max_tokens=6, extra_body={"conversation_id": "oa-tools"})
+    r = chat(oai, messages, tools=TOOLS, max_tokens=6, extra_body={"conversation_id": "oa-tools", "create": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
@@ -175,26 +176,38 @@ def test_tool_calls_pending_via_openai(oai, client, rt):
     call = {"id": "c9", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}
     with pytest.raises(openai.BadRequestError) as e:
         chat(oai, [sys(system), user("Rome?"), {"role": "assistant", "content": "", "tool_calls": [call]}],
-             tools=TOOLS, max_tokens=2, extra_body={"conversation_id": "oa-pending"})
+             tools=TOOLS, max_tokens=2, extra_body={"conversation_id": "oa-pending", "create": True})
     assert e.value.response.json()["error"]["message"] == "the last message must be a user message or tool results"
     r = chat(oai, [sys(system), user("Rome?"), {"role": "assistant", "content": "", "tool_calls": [call]},
                    {"role": "tool", "tool_call_id": "c9", "content": "rain"}],
-             tools=TOOLS, max_tokens=2, extra_body={"conversation_id": "oa-pending"})
+             tools=TOOLS, max_tokens=2, extra_body={"conversation_id": "oa-pending", "create": True})
     assert r.usage.completion_tokens == 2
     d = client.get("/v1/conversations/oa-pending").json()
     assert d["trace"][1]["tool_calls"] == [{"id": "c9", "name": "get_weather", "arguments": {"city": "Rome"}}]
 
 
-def test_a_history_that_differs_replaces_the_conversation(oai, client, rt):
+def test_a_history_that_differs_is_refused_and_replace_replaces_it(oai, client, rt):
     system = "[replace] A conversation whose history a client rewrites."
     u1, u2 = "First question?", "Second question?"
     enc = rt.tokenizer.encode
-    r1 = chat(oai, [sys(system), user(u1)], max_tokens=4, extra_body={"conversation_id": "oa-replace"})
+    r1 = chat(oai, [sys(system), user(u1)], max_tokens=4, extra_body={"conversation_id": "oa-replace", "create": True})
     fork = 1 + len(enc(system)) + 1 + len(enc(u1)) + 1
+    stored = client.get("/v1/conversations/oa-replace", params={"tokens": 1}).json()
 
+    # A rewritten answer is refused with 409, naming the message; nothing changes.
     rewritten = {"role": "assistant", "content": "A different answer."}
+    with pytest.raises(openai.ConflictError) as e:
+        chat(oai, [sys(system), user(u1), rewritten, user(u2)], max_tokens=4,
+             extra_body={"conversation_id": "oa-replace"})
+    err = e.value.response.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "history_conflict", "messages")
+    assert err["message"].startswith("messages[2] (assistant) differs from the stored assistant message of "
+                                     "conversation 'oa-replace'")
+    assert client.get("/v1/conversations/oa-replace", params={"tokens": 1}).json() == stored
+
+    # With "replace": true the client's history becomes the conversation's.
     r2 = chat(oai, [sys(system), user(u1), rewritten, user(u2)], max_tokens=4,
-              extra_body={"conversation_id": "oa-replace"})
+              extra_body={"conversation_id": "oa-replace", "replace": True})
     assert r2.usage.prompt_tokens == fork + 1 + len(enc("A different answer.")) + 1 + 1 + len(enc(u2)) + 1 + 1
     # The conversation's own chain sits at turn 0's fork exactly (a private
     # partial page), and the rewritten history still shares that prefix.
@@ -214,8 +227,14 @@ def test_a_history_that_differs_replaces_the_conversation(oai, client, rt):
     assert d3["turns"][:2] == d["turns"][:2] and len(d3["turns"]) == 3
     assert d3["turns"][2]["steps"] == [extra(r3, "accounting")]
 
-    # Another system prompt under the same id: another conversation.
-    chat(oai, [sys("[replace] Another system."), user(u1)], max_tokens=1, extra_body={"conversation_id": "oa-replace"})
+    # Another system prompt under the same id: 409, or another conversation with replace.
+    with pytest.raises(openai.ConflictError) as e:
+        chat(oai, [sys("[replace] Another system."), user(u1)], max_tokens=1,
+             extra_body={"conversation_id": "oa-replace"})
+    assert e.value.response.json()["error"]["message"].startswith(
+        "messages[0]: the request's system prompt differs from that of conversation 'oa-replace'")
+    chat(oai, [sys("[replace] Another system."), user(u1)], max_tokens=1,
+         extra_body={"conversation_id": "oa-replace", "replace": True})
     d4 = client.get("/v1/conversations/oa-replace").json()
     assert d4["system"] == "[replace] Another system." and len(d4["turns"]) == 1
 
@@ -247,16 +266,16 @@ def test_stream_content_deltas(oai, client, rt, monkeypatch):
     server-side for this request (not an OpenAI feature)."""
     system = "[stream-forced] Forced through a wrapper."
     f = {"reasoning": "First I think about the question.", "content": "Then I answer it, in several tokens."}
-    real = rt.send_message
+    real = rt.chat_step
 
-    def send_message(cid, content, **kw):
+    def chat_step(cid, request, **kw):
         if cid == "oa-stream-forced":
             kw["forced"] = f
-        return real(cid, content, **kw)
+        return real(cid, request, **kw)
 
-    monkeypatch.setattr(rt, "send_message", send_message)
+    monkeypatch.setattr(rt, "chat_step", chat_step)
     chunks = list(chat(oai, [sys(system), user("Go")], max_tokens=4, stream=True,
-                       stream_options={"include_usage": True}, extra_body={"conversation_id": "oa-stream-forced"}))
+                       stream_options={"include_usage": True}, extra_body={"conversation_id": "oa-stream-forced", "create": True}))
     monkeypatch.undo()
     body, last = chunks[1:-1], chunks[-1]
     kinds = ["r" if extra(c.choices[0].delta, "reasoning_content") else "c" for c in body]
@@ -266,6 +285,8 @@ def test_stream_content_deltas(oai, client, rt, monkeypatch):
     assert last.choices[0].finish_reason == "stop"  # forced maps to stop
     forced_len = len(rt.template("deepseek").forced_ids(f["reasoning"], f["content"]))
     assert last.usage.completion_tokens == forced_len
+    # The reasoning and its end marker; then the answer and eos.
+    assert last.usage.completion_tokens_details.reasoning_tokens == len(rt.tokenizer.encode_text(f["reasoning"])) + 1
     assert extra(last, "conversation_id") == "oa-stream-forced"
     d = client.get("/v1/conversations/oa-stream-forced").json()
     assert (d["trace"][1]["reasoning"], d["trace"][1]["content"]) == (f["reasoning"], f["content"])
@@ -310,29 +331,29 @@ def test_errors(oai, client, rt):
 
 def test_a_failed_request_with_a_differing_history_changes_nothing(oai, client):
     system = "[fail-replace] A conversation a failed request must not touch."
-    chat(oai, [sys(system), user("Hello")], max_tokens=2, extra_body={"conversation_id": "oa-fail-replace"})
+    chat(oai, [sys(system), user("Hello")], max_tokens=2, extra_body={"conversation_id": "oa-fail-replace", "create": True})
     before = client.get("/v1/conversations/oa-fail-replace", params={"tokens": 1}).json()
     with pytest.raises(openai.APIStatusError) as e:
         chat(oai, [sys(system), user("Other"), {"role": "assistant", "content": "x"}, user("word " * 600)],
-             max_tokens=2, extra_body={"conversation_id": "oa-fail-replace"})
+             max_tokens=2, extra_body={"conversation_id": "oa-fail-replace", "replace": True})
     assert (e.value.status_code, e.value.code) == (400, "context_length_exceeded")
     assert client.get("/v1/conversations/oa-fail-replace", params={"tokens": 1}).json() == before
 
 
 def test_a_failed_request_with_another_system_prompt_changes_nothing(oai, client):
     chat(oai, [sys("[fail-system] Original."), user("Hello")], max_tokens=2,
-         extra_body={"conversation_id": "oa-fail-system"})
+         extra_body={"conversation_id": "oa-fail-system", "create": True})
     before = client.get("/v1/conversations/oa-fail-system", params={"tokens": 1}).json()
     with pytest.raises(openai.APIStatusError) as e:
         chat(oai, [sys("[fail-system] Another."), user("word " * 600)], max_tokens=2,
-             extra_body={"conversation_id": "oa-fail-system"})
+             extra_body={"conversation_id": "oa-fail-system", "replace": True})
     assert (e.value.status_code, e.value.code) == (400, "context_length_exceeded")
     assert client.get("/v1/conversations/oa-fail-system", params={"tokens": 1}).json() == before
 
 
 def test_a_failed_request_with_a_new_conversation_id_creates_nothing(oai, client):
     with pytest.raises(openai.APIStatusError) as e:
-        chat(oai, [user("word " * 600)], max_tokens=2, extra_body={"conversation_id": "oa-fail-new"})
+        chat(oai, [user("word " * 600)], max_tokens=2, extra_body={"conversation_id": "oa-fail-new", "create": True})
     assert (e.value.status_code, e.value.code) == (400, "context_length_exceeded")
     error_of(client.get("/v1/conversations/oa-fail-new"), 404, "not_found")
 
@@ -351,7 +372,7 @@ def test_content_parts_in_the_last_user_message(oai):
 def test_content_parts_in_earlier_messages_are_accepted(oai, client):
     r = chat(oai, [sys("[parts-history] Content parts."), {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
                    {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}, user("Again")],
-             max_tokens=2, extra_body={"conversation_id": "oa-parts"})
+             max_tokens=2, extra_body={"conversation_id": "oa-parts", "create": True})
     assert r.usage.completion_tokens == 2
     d = client.get("/v1/conversations/oa-parts").json()
     assert [t["content"] for t in d["trace"]][:3] == ["Hi", "Hello.", "Again"]
@@ -413,7 +434,7 @@ def test_a_stream_whose_client_disconnects_is_cancelled_and_leaves_nothing(live,
     import httpx
 
     body = {"messages": [sys("Disconnect on the OpenAI route."), user("Go on")], "max_tokens": 400, "stream": True,
-            "conversation_id": "oai-disconnect"}
+            "conversation_id": "oai-disconnect", "create": True}
     with httpx.Client(base_url=live.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200

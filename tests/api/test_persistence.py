@@ -58,7 +58,8 @@ def restarted(tmp_path_factory):
         # The OpenAI endpoint's conversations are stored too.
         c.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "Persisted via OpenAI."},
                                                           {"role": "user", "content": "Hi"}],
-                                             "max_tokens": 3, "conversation_id": "oa-persisted"}).raise_for_status()
+                                             "max_tokens": 3, "conversation_id": "oa-persisted",
+                                             "create": True}).raise_for_status()
         ids["openai"] = "oa-persisted"
         for name, cid in ids.items():
             if name != "gone":

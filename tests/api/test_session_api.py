@@ -516,7 +516,7 @@ def test_tool_call_conflicts_are_409(client, rt):
     assert m == "unknown or already answered tool calls: ['call_0_0_0']"
     unchanged()
     m = error_of(msg(client, cid, content="Are you there?"), 409, "conflict")
-    assert m == "turn 0 waits for tool results: ['call_0_0_0', 'call_0_0_1']"
+    assert m == "turn 0 waits for tool results: ['call_0_0_0', 'call_0_0_1']; answer them first"
     unchanged()
     # Answering only some of the calls is bad input (InvalidRequest), not a conflict.
     m = error_of(results(client, cid, results=both[:1]), InvalidRequest.status, "invalid_request")

@@ -260,7 +260,7 @@ def test_a_chat_completion_with_conversation_id_sends_the_clients_messages_as_wr
     messages = [{"role": "user", "content": "2+2?"}, mine, {"role": "tool", "tool_call_id": "call_up_7", "content": "4"}]
     with served(backend="upstream", upstream_url=scripted.url, upstream_model="m") as live:
         r = httpx.post(live.url + "/v1/chat/completions", timeout=60,
-                       json={"messages": messages, "conversation_id": "chat-1", "max_tokens": 8})
+                       json={"messages": messages, "conversation_id": "chat-1", "create": True, "max_tokens": 8})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == "4."
         assert scripted.requests[0]["messages"][1] == mine
