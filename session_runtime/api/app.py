@@ -1,11 +1,12 @@
 """create_app(runtime, settings): the session HTTP API (DESIGN.md section 8).
 
 Every error maps once, here, to `{error: {type, message}}` with a 4xx (or 507
-for an exhausted pool), or to OpenAI's error on the OpenAI-compatible routes
-(api/errors.py); a failed request changes nothing because the runtime commits
-only after a step succeeds. The API key names the caller
-(api/auth.py); a conversation of another tenant is answered as one that does
-not exist.
+for an exhausted pool), or to OpenAI's error on the OpenAI-compatible routes,
+Anthropic's on `/v1/messages` (api/errors.py); a failed request changes
+nothing because the runtime commits only after a step succeeds. The API key
+names the caller (api/auth.py); a conversation of another tenant is answered
+as one that does not exist. A request body must be JSON, and not deeply
+nested (api/content_type.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from session_runtime.api.auth import AccessLog, Authenticate, CheckHost, current_caller, tenant_of_new, tenant_tree, visible
+from session_runtime.api.content_type import JsonBodies
 from session_runtime.api.errors import ApiError, InternalErrors, error_response
 from session_runtime.api.limits import BodyLimit
 from session_runtime.api.openai_compat import build_router
@@ -55,8 +57,10 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
     app.state.runtime = runtime
     app.state.metrics = metrics
     app.state.settings = settings
-    # Added last runs first: the Host, then the key, are checked before the body is read at all.
+    # Added last runs first: the Host, then the key, are checked before the body is read at all;
+    # the body's type and depth once BodyLimit has bounded its size.
     app.add_middleware(InternalErrors, on_error=metrics.record_error)
+    app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Authenticate, settings=settings)
     app.add_middleware(CheckHost, allowed=settings.allowed_hosts)

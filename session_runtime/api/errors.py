@@ -4,6 +4,9 @@ route's family:
 - the session API (`/v1/conversations...`, `/debug/*`, `/admin/*`, the rest):
   `{"error": {"type", "message"}}` with its documented codes (422 for a
   malformed body);
+- Anthropic Messages (`/v1/messages` and below): Anthropic's
+  `{"type": "error", "error": {"type", "message"}}` with Anthropic's status
+  codes (400, 401, 403, 404, 413, 429, 500, 529);
 - the OpenAI-compatible routes (every other `/v1/...`): OpenAI's
   `{"error": {"message", "type", "param", "code"}}` with OpenAI's status codes
   (400 for a malformed body or bad input, 401, 404, ...).
@@ -51,8 +54,13 @@ class ApiError:
                    details=getattr(exc, "details", None))
 
 
+def is_anthropic_route(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def is_openai_route(path: str) -> bool:
-    return path.startswith("/v1/") and not (path == "/v1/conversations" or path.startswith("/v1/conversations/"))
+    return path.startswith("/v1/") and not (path == "/v1/conversations" or path.startswith("/v1/conversations/")
+                                            or is_anthropic_route(path))
 
 
 # The session API's status -> OpenAI's status and type; others keep their
@@ -80,6 +88,36 @@ def openai_body(err: ApiError) -> tuple[int, dict]:
     return status, body
 
 
+# The session API's status -> Anthropic's status and type; other 4xx keep
+# their status as invalid_request_error (Anthropic's docs say so), other 5xx
+# are 500 api_error.
+_ANTHROPIC_STATUS = {
+    401: (401, "authentication_error"),
+    403: (403, "permission_error"),
+    404: (404, "not_found_error"),
+    413: (413, "request_too_large"),
+    422: (400, "invalid_request_error"),  # a malformed body or bad input
+    429: (429, "rate_limit_error"),
+    # Nothing is wrong with the request; it may be sent again later: Anthropic's
+    # "overloaded", which its SDK retries.
+    502: (529, "overloaded_error"),
+    503: (529, "overloaded_error"),
+    507: (529, "overloaded_error"),  # the KV pool is full
+}
+
+
+def anthropic_body(err: ApiError) -> tuple[int, dict]:
+    """(Anthropic's status, its whole error body) for an ApiError."""
+    default = (err.status, "invalid_request_error") if err.status < 500 else (500, "api_error")
+    status, kind = _ANTHROPIC_STATUS.get(err.status, default)
+    if err.kind == "context_too_long":
+        status, kind = 400, "invalid_request_error"  # Anthropic: 400 "prompt is too long"
+    error = {"type": kind, "message": err.message}
+    if err.details is not None:
+        error["upstream"] = err.details
+    return status, {"type": "error", "error": error}
+
+
 def session_body(err: ApiError) -> dict:
     body = {"type": err.kind, "message": err.message}
     if err.details is not None:
@@ -88,13 +126,18 @@ def session_body(err: ApiError) -> dict:
 
 
 def error_response(err: ApiError, path: str) -> JSONResponse:
-    if is_openai_route(path):
+    """`err` as the error response of the family `path` belongs to."""
+    if is_anthropic_route(path):
+        status, content = anthropic_body(err)
+    elif is_openai_route(path):
         status, body = openai_body(err)
+        content = {"error": body}
     else:
-        status, body = err.status, session_body(err)
-    # A client error will fail the same way again: tell OpenAI's SDK not to retry it.
+        status, content = err.status, {"error": session_body(err)}
+    # A client error will fail the same way again: tell the SDKs (OpenAI's and
+    # Anthropic's both read this header) not to retry it.
     extra = {"x-should-retry": "false"} if 400 <= status < 500 else {}
-    return JSONResponse(status_code=status, content={"error": body}, headers={**extra, **err.headers})
+    return JSONResponse(status_code=status, content=content, headers={**extra, **err.headers})
 
 
 class InternalErrors:

@@ -8,6 +8,17 @@ calls and results: protocols/convert.py) and answered by the chat route's
 step, in a throw-away conversation; the answer is written back in the
 protocol's response shape. Stateless and not streamed: a conversation's chain
 is the session API's or `/v1/chat/completions`'s.
+
+Bad input is refused as the chat route refuses it, in the route's own error
+shape (api/errors.py: Anthropic's on /v1/messages, OpenAI's on /v1/responses),
+never passed on to fail later: the sampling figures by the chat route's own
+request model (ChatRequest: `max_tokens`/`max_output_tokens`, `temperature`,
+`top_p`), no messages, a model other than the served one (404; except where
+the server answers as that provider, `--validate` for the route's protocol,
+which takes the provider's model names as the chat route does), and what the
+chat route cannot honour, which the conversion to a chat history would drop:
+`stop_sequences`, a `tool_choice` other than auto (or none without tools),
+Responses' `text.format` other than text.
 """
 
 from __future__ import annotations
@@ -17,17 +28,23 @@ from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from session_runtime.api.auth import current_caller
+from session_runtime.api.errors import ModelNotFound
 from session_runtime.api.proxy_routes import answerable, validation_error
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable
 from session_runtime.errors import InvalidRequest
 from session_runtime.protocols import ProtocolInputError, get_protocol
+from session_runtime.protocols.base import dig
 from session_runtime.protocols.canonical import Msg, Reply, Usage
 from session_runtime.protocols.convert import to_chat
 
 ROUTES = {"/v1/messages": "anthropic", "/v1/responses": "openai-responses"}
+# The field that holds the history, and what a request without any is told.
+_HISTORY = {"anthropic": ("messages", "at least one message is required"),
+            "openai-responses": ("input", "at least one input item is required")}
 
 
 def build_protocol_routes(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
@@ -41,15 +58,19 @@ def build_protocol_routes(chat_router, validate: Optional[str], model_id: str) -
         async def answer(request: Request, caller: Caller = Depends(current_caller)):
             try:
                 raw = json.loads(await request.body())
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
+                # RecursionError: nested past Python's limit. JsonBodies (api/content_type.py)
+                # refuses such a body before it gets here; this is the backstop.
                 raise InvalidRequest(f"the body is not JSON: {exc}") from None
-            if validate == protocol:
+            as_provider = validate == protocol
+            if as_provider:
                 refused = validation_error(protocol, raw)
                 if refused is not None:
                     return refused
             if isinstance(raw, dict) and raw.get("stream"):
                 raise InvalidRequest(f"streaming is not served on {path}; use /v1/chat/completions", param="stream")
-            chat = _chat_request(adapter, protocol, raw)
+            # As the provider, any of its model names is taken (the chat route drops `model` then too).
+            chat = _chat_request(adapter, protocol, raw, None if as_provider else model_id)
             result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel))
             if not isinstance(result, dict):
                 return result  # a refusal already in its final shape
@@ -60,21 +81,70 @@ def build_protocol_routes(chat_router, validate: Optional[str], model_id: str) -
     return router
 
 
-def _chat_request(adapter, protocol: str, raw: object):
-    """The chat route's request for a body of `protocol`. Raises InvalidRequest
-    naming the field the protocol could not read."""
+def _chat_request(adapter, protocol: str, raw: object, served: Optional[str]):
+    """The chat route's request for a body of `protocol`; with `served`, the
+    body's model must be that one. Raises InvalidRequest naming the field the
+    protocol could not read or the chat route would refuse (in the protocol's
+    own name), ModelNotFound for another model."""
     from session_runtime.api.openai_compat import ChatRequest
 
     try:
         parsed = adapter.parse_request(raw)
     except ProtocolInputError as exc:
         raise InvalidRequest(str(exc), param=exc.path) from None
+    assert isinstance(raw, dict)  # parse_request refuses any other body
+    field, missing = _HISTORY[protocol]
+    if not parsed.messages:
+        raise InvalidRequest(f"{field}: {missing}", param=field)
+    if served is not None:
+        _check_model(raw.get("model"), served)
+    _refuse_unsupported(protocol, raw)
     chat = get_protocol("openai-chat").render_request(to_chat(parsed, protocol, "openai-chat"))
     chat.pop("model", None)  # the provider's model name: this server answers with its own
     chat["messages"] = answerable(chat.get("messages") or [])
     if chat.get("max_tokens") is None:
         chat.pop("max_tokens", None)
-    return ChatRequest(**chat)
+    try:
+        return ChatRequest(**chat)
+    except ValidationError as exc:
+        # The chat route's own limits on the figures the conversion carried,
+        # told in the names the client sent them under.
+        names = {"messages": field}
+        if protocol == "openai-responses" and "max_output_tokens" in raw:
+            names["max_tokens"] = "max_output_tokens"
+        fields = [names.get(str(e["loc"][0]), str(e["loc"][0])) if e["loc"] else None for e in exc.errors()]
+        text = "; ".join(f"{name}: {e['msg']}" if name else e["msg"] for name, e in zip(fields, exc.errors()))
+        raise InvalidRequest(text, param=fields[0] if fields else None) from None
+
+
+def _check_model(model: object, served: str) -> None:
+    """As the chat route checks `model` (absent or null: the served one).
+    Raises ModelNotFound (404) for another model, InvalidRequest for a non-string."""
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise InvalidRequest("model: expected a string", param="model")
+    if model != served:
+        raise ModelNotFound(f"the model {model!r} does not exist: this server serves {served!r} "
+                            "(GET /v1/models)", param="model")
+
+
+def _refuse_unsupported(protocol: str, raw: dict) -> None:
+    """What the chat route refuses rather than ignores, which the conversion
+    to a chat history would drop unseen. Raises InvalidRequest."""
+    if protocol == "anthropic" and raw.get("stop_sequences"):  # chat's `stop`; [] and null are the default
+        raise InvalidRequest("stop_sequences are not supported; the template's end-of-turn token ends a step",
+                             param="stop_sequences")
+    choice = raw.get("tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else choice  # Anthropic's is an object, Responses' a string
+    # auto is what the model does anyway; none holds only while there are no tools to call.
+    if choice is not None and not (kind == "auto" or (kind == "none" and not raw.get("tools"))):
+        raise InvalidRequest(f"tool_choice {json.dumps(choice)} is not supported by this server; leave it out",
+                             param="tool_choice")
+    text_format = dig(raw, "text", "format") if protocol == "openai-responses" else None  # chat's response_format
+    if text_format is not None and text_format != {"type": "text"}:
+        raise InvalidRequest(f"text.format {json.dumps(text_format)} is not supported by this server; leave it out",
+                             param="text.format")
 
 
 def _reply(completion: dict) -> Reply:
