@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a step still running after S seconds stops, fails with 408 and changes nothing (0: none)")
     serve.add_argument("--max-conversations-per-tenant", type=int, default=_DEFAULTS.max_conversations_per_tenant,
                        metavar="N", help="a tenant's conversations the server keeps; one more is 429 (0: no limit)")
+    serve.add_argument("--max-tenant-bytes", type=int, default=_DEFAULTS.max_tenant_bytes, metavar="N",
+                       help="bytes of conversations (as stored) a tenant may hold; past it new steps and "
+                            "conversations are 429 (0: no limit)")
+    serve.add_argument("--max-tools", type=int, default=_DEFAULTS.max_tools, metavar="N",
+                       help="tools one conversation may have (0: no limit)")
+    serve.add_argument("--max-tools-bytes", type=int, default=_DEFAULTS.max_tools_bytes, metavar="N",
+                       help="bytes of one conversation's tools, as JSON (0: no limit)")
     serve.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of random preset weights")
     serve.add_argument("--policy", default=_DEFAULTS.policy,
                        choices=["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"],
@@ -181,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         workers=args.workers, placement_epsilon=args.placement_epsilon, router_url=args.router_url,
         sglang_max_running=args.sglang_max_running, request_deadline_s=args.request_deadline_s,
         max_conversations_per_tenant=args.max_conversations_per_tenant,
+        max_tenant_bytes=args.max_tenant_bytes, max_tools=args.max_tools, max_tools_bytes=args.max_tools_bytes,
     )
 
 

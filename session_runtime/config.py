@@ -127,6 +127,9 @@ class RuntimeConfig:
     sglang_max_running: int = 32  # --max-running-requests of a launched server
     request_deadline_s: float = 600.0  # a step still running after this fails (408) and changes nothing; 0: none
     max_conversations_per_tenant: int = 10000  # a tenant's conversations the server keeps; 0: no limit
+    max_tenant_bytes: int = 1 << 30  # bytes of conversations (as stored) a tenant may hold; 0: no limit
+    max_tools: int = 128  # tools of one conversation; 0: no limit
+    max_tools_bytes: int = 256 * 1024  # bytes of one conversation's tools, as JSON; 0: no limit
     # Upstream proxy mode (backend "upstream"): steps are answered by a provider's
     # API at upstream_url (its SDK's base_url: OpenAI-style up to and including
     # /v1, Anthropic's without), spoken in upstream_protocol.
@@ -153,6 +156,9 @@ class RuntimeConfig:
             raise ValueError("pool_tokens must hold at least one page")
         if self.max_conversations_per_tenant < 0:
             raise ValueError(f"max_conversations_per_tenant must be >= 0, got {self.max_conversations_per_tenant}")
+        for name in ("max_tenant_bytes", "max_tools", "max_tools_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.request_deadline_s < 0:
             raise ValueError(f"request_deadline_s must be >= 0, got {self.request_deadline_s}")
         if self.prefill_chunk < 1:

@@ -112,6 +112,13 @@ class TooManyConversations(RuntimeErrorBase):
     error_type = "conversation_limit"
 
 
+class TenantStorageFull(RuntimeErrorBase):
+    """The tenant's conversations already hold the bytes the server keeps for one."""
+
+    status = 429
+    error_type = "storage_limit"
+
+
 class UpstreamError(RuntimeErrorBase):
     """Upstream proxy mode: the provider refused the request. Its status comes
     back; `details` holds the provider's error body, the name of a known

@@ -77,6 +77,25 @@ def text_content(content: object, where: str = "content") -> str:
     return content
 
 
+def message_text(m: object) -> str:
+    """The text of a client message that a template renders (content, reasoning,
+    tool-call names and arguments), without checking it: for the length check
+    that runs before anything is tokenized."""
+    if not isinstance(m, dict):
+        return ""
+    out = []
+    for value in (m.get("content"), m.get("reasoning_content")):
+        if isinstance(value, str):
+            out.append(value)
+        elif isinstance(value, list):
+            out += [p["text"] for p in value if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    for c in m.get("tool_calls") or () if isinstance(m.get("tool_calls"), list) else ():
+        fn = c.get("function") if isinstance(c, dict) else None
+        if isinstance(fn, dict):
+            out += [v if isinstance(v, str) else str(v) for v in (fn.get("name"), fn.get("arguments")) if v]
+    return "".join(out)
+
+
 def _tool_call(c: dict, i: int) -> ToolCall:
     import json
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import dataclasses
 import threading
 import time
@@ -23,14 +22,15 @@ from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.backends.base import Cancellation, StepRequest, StepResult, Transcript, create_backend
-from session_runtime.errors import (BackendUnavailable, ContextTooLong, ShuttingDown, StorageUnavailable, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
+from session_runtime.errors import (BackendUnavailable, TenantStorageFull, ContextTooLong, ShuttingDown, StorageUnavailable, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
 from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadManager, OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
-from session_runtime.store import Store
+from session_runtime.store import Store, estimated_bytes as store_bytes
+from session_runtime.tools import check_tools, tools_text
 from session_runtime.templates import Message, Template, ToolCall, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
 from session_runtime import continuation, importer
@@ -61,6 +61,8 @@ class Runtime(RuntimeInspection):
         self.conversations: dict[str, Conversation] = {}
         self._templates: dict[str, Template] = {}
         self._conv_locks: dict[str, threading.Lock] = {}
+        self._sizes: dict[str, int] = {}  # bytes each conversation takes as stored (estimated without a store)
+        self._tenant_bytes: dict[Optional[str], int] = {}
         self._lock = threading.RLock()
         self._inflight: set[Cancellation] = set()  # steps running now: shutdown cancels them
         self._stopping = False
@@ -68,9 +70,10 @@ class Runtime(RuntimeInspection):
         self.store: Optional[Store] = None
         if self.config.data_dir:
             self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
-            for conv in self.store.load_all():
+            for conv, size in self.store.load_all_sized():
                 self.conversations[conv.id] = conv
                 self._conv_locks[conv.id] = threading.Lock()
+                self._sized(conv, size)
                 self._place(conv, conv.worker)
 
     def _materialized(self, job) -> None:
@@ -86,8 +89,24 @@ class Runtime(RuntimeInspection):
 
     def _persist(self, conv: Conversation) -> None:
         conv.worker = self.backend.worker_of(conv.id) or conv.worker  # a step may have moved it
-        if self.store is not None:
-            self.store.save(conv)
+        self._sized(conv, self.store.save(conv) if self.store is not None else store_bytes(conv))
+
+    def _sized(self, conv: Conversation, size: Optional[int]) -> None:
+        """Record the conversation's stored bytes (None: it is gone) in its tenant's total."""
+        with self._lock:
+            old = self._sizes.pop(conv.id, 0)
+            if size is not None:
+                self._sizes[conv.id] = size
+            self._tenant_bytes[conv.tenant] = self._tenant_bytes.get(conv.tenant, 0) - old + (size or 0)
+
+    def _check_budget(self, tenant: Optional[str]) -> None:
+        """Raises TenantStorageFull when the tenant holds its budget of stored bytes."""
+        limit = self.config.max_tenant_bytes
+        with self._lock:
+            held = self._tenant_bytes.get(tenant, 0)
+        if limit and held >= limit:
+            raise TenantStorageFull(f"the tenant's conversations hold {held} bytes, the most this server keeps "
+                                    f"for one ({limit}, --max-tenant-bytes): delete some first")
 
     def drain_worker(self, worker: str) -> list[str]:
         """Many workers: nothing more is placed on `worker`, and its conversations
@@ -156,11 +175,9 @@ class Runtime(RuntimeInspection):
         one for a single request (many SGLang workers: sglang-router routes its
         steps). Raises InvalidRequest, or ConversationBusy when `conversation_id`
         is taken."""
-        if system is not None and not isinstance(system, str):
-            raise InvalidRequest("system must be a string")
-        _utf8("system", system or "", "tenant", tenant or "", "tools", json.dumps(list(tools or ()), ensure_ascii=False))
-        if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools)):
-            raise InvalidRequest("tools must be a list of objects")
+        tools = self._check_prompt(system, tools)
+        _utf8("tenant", tenant or "")
+        self._check_budget(tenant or None)
         template = template or self.config.template
         self.template(template)
         if self.backend.name == "upstream":
@@ -171,7 +188,7 @@ class Runtime(RuntimeInspection):
         if conversation_id is not None and (not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 128):
             raise InvalidRequest("conversation_id must be a string of 1 to 128 characters")
         conv = Conversation(
-            id=conversation_id or uuid.uuid4().hex[:16], system=system or None, tools=list(tools or ()),
+            id=conversation_id or uuid.uuid4().hex[:16], system=system or None, tools=tools,
             tenant=tenant or None, template=template,
             policy=ReasoningPolicy(policy or self.config.policy, keep_last_k),
             materialize=MaterializeSettings(materialize, continue_probability=continue_probability),
@@ -200,22 +217,35 @@ class Runtime(RuntimeInspection):
             raise StorageUnavailable(f"the conversation could not be saved, so it was not created: {exc}") from exc
         return conv.id
 
+    def _check_prompt(self, system: object, tools: object) -> list[dict]:
+        """A conversation's system prompt and tools, checked before anything is
+        tokenized or kept; returns the tools as a list. Raises InvalidRequest,
+        ContextTooLong."""
+        if system is not None and not isinstance(system, str):
+            raise InvalidRequest("system must be a string")
+        _utf8("system", system or "")
+        tools = check_tools(tools, self.config.max_tools, self.config.max_tools_bytes)
+        self._fits("system", system or "")
+        self._fits("tools", tools_text(tools))
+        return tools
+
     def _adopt(self, conv: Conversation, system: Optional[str], tools: Sequence[dict],
                raw_messages: Sequence[dict]) -> bool:
         """Make the conversation's system prompt, tools and history the client's
         (OpenAI messages without the system one), in memory only: the caller
         persists it with the step that follows. Keeps it as is when it already
         says the same; returns whether it replaced it. Raises InvalidRequest."""
-        _utf8("system", system or "", "tools", json.dumps(list(tools), ensure_ascii=False))
+        tools = self._check_prompt(system, tools)
+        self._fits("messages", "".join(map(importer.message_text, raw_messages)))
         tpl = self.template(conv.template)
         messages = importer.client_messages(tpl, raw_messages)
         if self.backend.wants_transcript:  # upstream mode: the client's assistant messages go back as sent
             messages = importer.with_chat_wire(messages, raw_messages)
-        if (conv.system, conv.tools) == (system, list(tools)) and \
+        if (conv.system, conv.tools) == (system, tools) and \
                 continuation.first_difference([e.message for e in conv.trace], messages) is None:
             return False
         self.materializer.cancel(conv.id)
-        conv.system, conv.tools = system, list(tools)
+        conv.system, conv.tools = system, tools
         importer.adopt(conv, tpl, messages)
         conv.version += 1
         return True
@@ -292,6 +322,7 @@ class Runtime(RuntimeInspection):
             with self._lock:
                 self.conversations.pop(conv.id, None)
                 self._conv_locks.pop(conv.id, None)
+            self._sized(conv, None)
             self.backend.release(conv.id)
             return True
 
@@ -418,13 +449,15 @@ class Runtime(RuntimeInspection):
         return requested
 
     def _fits(self, name: str, text: str) -> None:
-        """Refuse (413) text too long for the context however it tokenizes, before
-        tokenizing it: a huge input costs no tokenizer time or memory."""
-        limit = self.config.max_context * self.tokenizer.max_token_bytes
-        if len(text) > limit // 4 and len(text.encode("utf-8")) > limit:  # 4: the most bytes of one character
-            raise ContextTooLong(f"{name} of {len(text.encode('utf-8'))} bytes cannot fit the context of "
-                                 f"{self.config.max_context} tokens (a token covers at most "
-                                 f"{self.tokenizer.max_token_bytes} bytes); it was not tokenized")
+        """Refuse (413) text too long for the context before tokenizing it whole:
+        more bytes than any tokenization of the context covers is refused at
+        once, and a text of fewer bytes as soon as about a context's worth of
+        it has more tokens than the context (a few milliseconds), so a huge
+        input costs no tokenizer time or memory."""
+        limit = self.config.max_context
+        if self.tokenizer.surely_more_tokens_than(text, limit):
+            raise ContextTooLong(f"{name} of {len(text.encode('utf-8'))} bytes has more tokens than the context of "
+                                 f"{limit}; it was not tokenized whole")
 
     def _sampling(self, conv, max_tokens, temperature, seed, logprobs, top_p: float = 1.0,
                   top_logprobs: int = 0) -> SamplingParams:
@@ -469,6 +502,7 @@ class Runtime(RuntimeInspection):
               cancel: Optional[Cancellation] = None) -> Step:
         """One step; `cancel` (or the request deadline) stops it between tokens,
         and then it changes nothing."""
+        self._check_budget(conv.tenant)
         cancel = cancel or Cancellation()
         if cancel.deadline is None and self.config.request_deadline_s:
             cancel.deadline = time.monotonic() + self.config.request_deadline_s

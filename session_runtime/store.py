@@ -41,6 +41,15 @@ def _message_from_dict(d: dict) -> Message:
     return Message(**{**d, "tool_calls": calls, "output_ids": tuple(d.get("output_ids", ()))})
 
 
+def estimated_bytes(conv: Conversation) -> int:
+    """About what the conversation would take in the store, without writing
+    it out: its texts, tools and ids (for the per-tenant budget when nothing
+    is stored)."""
+    messages = [*conv.history, *(e.message for e in conv.trace)]
+    return (len(conv.system or "") + sum(len(json.dumps(t, ensure_ascii=False)) for t in conv.tools)
+            + sum(len(m.content) + len(m.reasoning) + 6 * len(m.output_ids) + 64 for m in messages))
+
+
 def conversation_to_json(conv: Conversation) -> str:
     return json.dumps({
         "id": conv.id, "system": conv.system, "tools": conv.tools, "tenant": conv.tenant, "worker": conv.worker,
@@ -95,7 +104,8 @@ class Store:
         self._db.execute(_SCHEMA)
         self._lock = threading.Lock()
 
-    def save(self, conv: Conversation) -> None:
+    def save(self, conv: Conversation) -> int:
+        """Write the conversation; returns the bytes it takes in the store."""
         data = conversation_to_json(conv)
         with self._lock:
             self._db.execute(
@@ -103,16 +113,22 @@ class Store:
                 "ON CONFLICT(id) DO UPDATE SET data=excluded.data, updated_at=julianday('now')",
                 (conv.id, data),
             )
+        return len(data.encode("utf-8"))
 
     def delete(self, conversation_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
 
     def load_all(self) -> Iterator[Conversation]:
+        for conv, _ in self.load_all_sized():
+            yield conv
+
+    def load_all_sized(self) -> Iterator[tuple[Conversation, int]]:
+        """Each stored conversation and the bytes it takes in the store."""
         with self._lock:
             rows = self._db.execute("SELECT data FROM conversations ORDER BY updated_at").fetchall()
         for (data,) in rows:
-            yield conversation_from_json(data)
+            yield conversation_from_json(data), len(data.encode("utf-8"))
 
     def close(self) -> None:
         with self._lock:

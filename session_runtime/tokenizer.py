@@ -42,6 +42,30 @@ class Tokenizer:
         vocabulary entry): text of more bytes than context x this cannot fit."""
         return max(len(t.encode("utf-8")) for t in (*self.inner.get_vocab(), *self.added))
 
+    def surely_more_tokens_than(self, text: str, limit: int, chunk_chars: int = 1 << 15) -> bool:
+        """Whether `text` tokenizes to more than `limit` tokens, found while
+        tokenizing no more of it than about `limit` tokens' worth: a huge text is
+        refused in milliseconds, not after seconds of tokenizing. Chunks are cut
+        at spaces and each counts two tokens less than it has, since a token of
+        the whole text may straddle a cut. False when unsure (the caller's real
+        rendering decides). Nothing is memoized."""
+        size = len(text.encode("utf-8"))
+        if size <= limit:
+            return False  # a token covers at least one byte
+        if size > limit * self.max_token_bytes:
+            return True
+        counted, pos = 0, 0
+        while pos < len(text):
+            end = min(len(text), pos + chunk_chars)
+            if end < len(text):
+                cut = text.rfind(" ", pos + chunk_chars // 2, end)
+                end = cut if cut > pos else end
+            counted += max(0, len(self.plain.encode(text[pos:end], add_special_tokens=False).ids) - 2)
+            if counted > limit:
+                return True
+            pos = end
+        return False
+
     def encode(self, text: str) -> list[int]:
         """Ids of template text: added tokens written in it (<think>, ...) match."""
         return list(self._encode(text))

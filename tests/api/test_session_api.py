@@ -547,10 +547,13 @@ def test_tool_call_conflicts_are_409(client, rt):
 def test_oversized_prompt_is_413(client, rt, closed_conv):
     before = snapshot(client, closed_conv)
     pools = pool_state(rt)
-    long_msg = "word " * 600
+    long_msg = "word " * 505  # fits the context alone, not after the history
     m = error_of(msg(client, closed_conv, content=long_msg), 413, "context_too_long")
     prompt = before[0]["chain"]["sequence_tokens"] + len(rt.tokenizer.encode(long_msg)) + 3
     assert m == f"prompt of {prompt} tokens (plus 0 forced) does not fit the context limit of {MAX_CONTEXT}"
+    # A message that alone has more tokens than the context is refused before it is tokenized whole.
+    m = error_of(msg(client, closed_conv, content="word " * 600), 413, "context_too_long")
+    assert m == f"content of 3000 bytes has more tokens than the context of {MAX_CONTEXT}; it was not tokenized whole"
     # Forced output past the context is the same error.
     m = error_of(msg(client, closed_conv, content="Hi", forced={"content": long_msg}), 413, "context_too_long")
     assert "does not fit the context limit of 512" in m
