@@ -34,6 +34,7 @@ from session_runtime.api.schemas import CreateConversation, SendMessage, SendToo
 from session_runtime.errors import RuntimeErrorBase
 from session_runtime.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE, Metrics
 from session_runtime.runtime import Runtime
+from session_runtime.server_secret import ServerSecret
 
 def _param(errors: list[dict]) -> Optional[str]:
     """The field at fault in a validation error (`max_tokens`, `messages.0`),
@@ -57,6 +58,8 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
     app.state.runtime = runtime
     app.state.metrics = metrics
     app.state.settings = settings
+    # Signs thinking and encrypts reasoning handed to clients (Messages, Responses); kept with the data.
+    app.state.secret = ServerSecret.load(runtime.config.data_dir)
     # Added last runs first: the Host, then the key, are checked before the body is read at all;
     # the body's type and depth once BodyLimit has bounded its size.
     app.add_middleware(InternalErrors, on_error=metrics.record_error)

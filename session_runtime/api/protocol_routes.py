@@ -48,40 +48,51 @@ _HISTORY = {"anthropic": ("messages", "at least one message is required"),
 
 
 def build_protocol_routes(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
-    """The routes of ROUTES, answering through `chat_router.complete`."""
+    """The routes of ROUTES, each in its own module (api/messages_route.py,
+    api/responses_route.py), answering through `chat_router.complete`."""
+    from session_runtime.api import messages_route, responses_route
+
     router = APIRouter()
-
-    def route(path: str, protocol: str) -> None:
-        adapter = get_protocol(protocol)
-
-        @router.post(path, name=protocol)
-        async def answer(request: Request, caller: Caller = Depends(current_caller)):
-            try:
-                raw = json.loads(await request.body())
-            except (ValueError, RecursionError) as exc:
-                # RecursionError: nested past Python's limit. JsonBodies (api/content_type.py)
-                # refuses such a body before it gets here; this is the backstop.
-                raise InvalidRequest(f"the body is not JSON: {exc}") from None
-            as_provider = validate == protocol
-            if as_provider:
-                refused = validation_error(protocol, raw)
-                if refused is not None:
-                    return refused
-            if isinstance(raw, dict) and raw.get("stream"):
-                raise InvalidRequest(f"streaming is not served on {path}; use /v1/chat/completions", param="stream")
-            # As the provider, any of its model names is taken (the chat route drops `model` then too).
-            chat = _chat_request(adapter, protocol, raw, None if as_provider else model_id)
-            result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel))
-            if not isinstance(result, dict):
-                return result  # a refusal already in its final shape
-            return JSONResponse(adapter.render_response(_reply(result), model_id))
-
-    for path, protocol in ROUTES.items():
-        route(path, protocol)
+    router.include_router(messages_route.build(chat_router, validate, model_id))
+    router.include_router(responses_route.build(chat_router, validate, model_id))
     return router
 
 
-def _chat_request(adapter, protocol: str, raw: object, served: Optional[str]):
+async def read_body(request: Request) -> object:
+    """The request's JSON body. Raises InvalidRequest."""
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError) as exc:
+        # RecursionError: nested past Python's limit. JsonBodies (api/content_type.py)
+        # refuses such a body before it gets here; this is the backstop.
+        raise InvalidRequest(f"the body is not JSON: {exc}") from None
+
+
+def answer_stateless(path: str, protocol: str, chat_router, validate: Optional[str], model_id: str):
+    """The handler of a protocol route answered statelessly, not streamed:
+    parse, check, convert to the chat route's request, answer, render back."""
+    adapter = get_protocol(protocol)
+
+    async def answer(request: Request, caller: Caller = Depends(current_caller)):
+        raw = await read_body(request)
+        as_provider = validate == protocol
+        if as_provider:
+            refused = validation_error(protocol, raw)
+            if refused is not None:
+                return refused
+        if isinstance(raw, dict) and raw.get("stream"):
+            raise InvalidRequest(f"streaming is not served on {path}; use /v1/chat/completions", param="stream")
+        # As the provider, any of its model names is taken (the chat route drops `model` then too).
+        chat = chat_request(adapter, protocol, raw, None if as_provider else model_id)
+        result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel))
+        if not isinstance(result, dict):
+            return result  # a refusal already in its final shape
+        return JSONResponse(adapter.render_response(reply_of(result), model_id))
+
+    return answer
+
+
+def chat_request(adapter, protocol: str, raw: object, served: Optional[str]):
     """The chat route's request for a body of `protocol`; with `served`, the
     body's model must be that one. Raises InvalidRequest naming the field the
     protocol could not read or the chat route would refuse (in the protocol's
@@ -147,7 +158,7 @@ def _refuse_unsupported(protocol: str, raw: dict) -> None:
                              param="text.format")
 
 
-def _reply(completion: dict) -> Reply:
+def reply_of(completion: dict) -> Reply:
     """Our chat completion as a canonical reply (reasoning, text, tool calls, usage)."""
     reply = get_protocol("openai-chat").parse_response({k: v for k, v in completion.items()
                                                         if k not in ("accounting", "conversation_id")})
