@@ -2,7 +2,8 @@
 tenant decides what it sees.
 
 `Authenticate` runs before a route reads its body: it finds the key (as vLLM
-and SGLang take it, `Authorization: Bearer KEY`; a browser's Basic credentials
+and SGLang take it, `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's
+SDK sends it; a browser's Basic credentials
 with the key as password also work, so the tree page can be opened), answers
 401 or 403 itself, and leaves the Caller in `request.state.caller`. Routes ask
 for it with `Depends(current_caller)`. Without any key configured every caller
@@ -64,7 +65,7 @@ class Authenticate:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        caller, refusal = self._decide(path, _header(scope, b"authorization"))
+        caller, refusal = self._decide(path, _header(scope, b"authorization"), _header(scope, b"x-api-key"))
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -72,12 +73,13 @@ class Authenticate:
             scope.setdefault("state", {})["caller"] = caller
         await self.app(scope, receive, send)
 
-    def _decide(self, path: str, authorization: Optional[str]):
-        """(the caller, or None; a refusal to send, or None)."""
+    def _decide(self, path: str, authorization: Optional[str], api_key: Optional[str] = None):
+        """(the caller, or None; a refusal to send, or None). `api_key`: the
+        `x-api-key` header, where Anthropic's SDK sends the key."""
         credentials = self.settings.credentials
         if not credentials.enabled:
             return OPEN, None
-        key = presented_key(authorization)
+        key = presented_key(authorization) or (api_key.strip() or None if api_key else None)
         caller = credentials.identify(key) if key is not None else None
         is_open = path in OPEN_PATHS or (path == "/metrics" and not self.settings.metrics_admin_only)
         if is_open:  # no route there asks who calls: None (the access log's "-") without a valid key
@@ -85,7 +87,7 @@ class Authenticate:
         if caller is None:
             # A browser asked for a Basic challenge opens the tree page with the key as password.
             challenge = 'Basic realm="session-runtime"' if path.startswith("/debug/") else "Bearer"
-            message = ("no API key: send the header 'Authorization: Bearer KEY'" if key is None
+            message = ("no API key: send the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY')" if key is None
                        else "the API key is not valid")
             return None, error_response(ApiError(401, "unauthorized", message,
                                                  headers={"www-authenticate": challenge}), path)

@@ -71,7 +71,7 @@ def test_without_a_key_every_route_but_health_is_401(clients, keyed):
             r = anon.request(method, path, json=body, headers=headers)
             message = (openai_error_of(r, 401, "authentication_error", "invalid_api_key")
                        if path.startswith("/v1/chat/") else error_of(r, 401, "unauthorized"))
-            assert message == ("no API key: send the header 'Authorization: Bearer KEY'" if key is None
+            assert message == ("no API key: send the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY')" if key is None
                                else "the API key is not valid"), (method, path)
             assert r.headers["www-authenticate"] == (
                 'Basic realm="session-runtime"' if path.startswith("/debug/") else "Bearer")
@@ -334,3 +334,20 @@ def test_the_access_log_has_one_line_per_request_and_no_user_text(clients, caplo
                       "GET /debug/tree 401 tenant=- MS",
                       "GET /health 200 tenant=admin MS", "GET /health 200 tenant=- MS"]
     assert not any("SECRET" in line or "tokens" in line for line in lines)
+
+
+def test_anthropics_sdk_authenticates_with_x_api_key(keyed):
+    """Anthropic's SDK sends its key as `x-api-key`: it names the caller as a
+    Bearer key does, and a wrong one is Anthropic's 401."""
+    import anthropic
+
+    body = dict(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    with anthropic.Anthropic(base_url=keyed.url, api_key=KEY_A, max_retries=0, timeout=120) as good:
+        assert good.messages.create(**body).usage.output_tokens == 2
+    with anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0, timeout=120) as bad:
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            bad.messages.create(**body)
+    assert e.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                       "message": "the API key is not valid"}}
+    r = httpx.get(f"{keyed.url}/v1/models", headers={"x-api-key": KEY_B})
+    assert r.status_code == 200

@@ -316,7 +316,7 @@ def test_the_middlewares_answer_in_anthropics_shape(live):
     answer before any route, each in the shape of the route asked for."""
     keyed = ApiSettings(credentials=load_credentials("k"), max_body_bytes=300)
     with TestClient(create_app(live.runtime, keyed)) as c:
-        no_key = anthropic_error("no API key: send the header 'Authorization: Bearer KEY'", "authentication_error")
+        no_key = anthropic_error("no API key: send the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY')", "authentication_error")
         assert_error(c.post("/v1/messages", json=VALID["messages"]), 401, no_key)
         # The key is checked first: a body the server would refuse gets 401 too.
         assert_error(c.post("/v1/messages", content=b"x", headers={"content-type": "text/plain"}), 401, no_key)
