@@ -1,19 +1,154 @@
-"""`POST /v1/messages`: Anthropic Messages, served by the local engine through the chat
-route (api/protocol_routes.py has what the protocol routes share)."""
+"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic
+Messages, served by the local engine through the chat route (api/protocol_routes.py
+has what the protocol routes share). Stateless: each request runs in a
+throw-away conversation.
+
+What this server adds to the chat route's answer, as Anthropic's API does:
+
+- ids of its own: `msg_...` for the message and `toolu_...` for each tool_use
+  block (the engine's call ids live only in the throw-away conversation; a
+  later request's history pairs tool_use and tool_result by the client's ids);
+- a `signature` on each thinking block (the server secret's signature of its
+  text); a thinking block sent back must carry a signature of this server
+  (else 400, as Anthropic refuses a tampered or foreign one), and
+  `redacted_thinking` blocks, which this server never makes, are refused;
+- streaming (`stream: true`) in Anthropic's event sequence (api/messages_stream.py);
+- `tool_choice`: auto as the model decides; none is honoured by leaving the
+  tools out of the prompt; any and tool are refused (400): the engine cannot
+  constrain sampling, so it cannot force a call;
+- usage: `input_tokens` (uncached), `cache_read_input_tokens`,
+  `output_tokens` and `output_tokens_details.thinking_tokens`;
+- count_tokens: the prompt tokens the same request renders to (api/token_count.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Optional
 
-from fastapi import APIRouter
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from session_runtime.api.protocol_routes import answer_stateless
+from session_runtime.api.auth import current_caller
+from session_runtime.api.messages_stream import Translator, anthropic_events, new_id
+from session_runtime.api.protocol_routes import chat_request, read_body, reply_of
+from session_runtime.api.proxy_routes import validation_error
+from session_runtime.api.settings import Caller
+from session_runtime.api.streaming import cancellable
+from session_runtime.api.token_count import prompt_tokens
+from session_runtime.errors import InvalidRequest
+from session_runtime.protocols import get_protocol
+from session_runtime.protocols.canonical import Call, Msg, Reasoning, Reply, reasoning_text
+from session_runtime.server_secret import ServerSecret
 
 PATH = "/v1/messages"
 PROTOCOL = "anthropic"
+_TOOL_CHOICES = ("auto", "any", "tool", "none")
 
 
 def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
+    """The two routes, answering through `chat_router.complete`; `validate`:
+    the server answers as that provider (--validate), which takes its model names."""
     router = APIRouter()
-    router.post(PATH, name=PROTOCOL)(answer_stateless(PATH, PROTOCOL, chat_router, validate, model_id))
+    adapter = get_protocol(PROTOCOL)
+    as_provider = validate == PROTOCOL
+    served = None if as_provider else model_id  # the provider's model names are taken as the chat route takes them
+
+    def parsed(raw: object, secret: ServerSecret):
+        """The chat route's request for an Anthropic body. Raises InvalidRequest, ModelNotFound."""
+        chat = chat_request(adapter, PROTOCOL, _tool_choice(raw), served)
+        _check_thinking(raw, secret)  # the body parsed: its messages and blocks have their shapes
+        return chat
+
+    @router.post(PATH, name=PROTOCOL)
+    async def create(request: Request, caller: Caller = Depends(current_caller)):
+        raw = await read_body(request)
+        if as_provider and (refused := validation_error(PROTOCOL, raw)) is not None:
+            return refused
+        secret: ServerSecret = request.app.state.secret
+        stream = _stream(raw)
+        chat = parsed(raw, secret)
+        if stream:
+            chat = chat.model_copy(update={"stream": True, "stream_options": {"include_usage": True}})
+        result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel))
+        if stream:
+            if not isinstance(result, StreamingResponse) or result.status_code != 200:
+                return result  # a refusal already in its final shape
+            translator = Translator(new_id("msg_"), model_id, secret.sign)
+            return StreamingResponse(anthropic_events(result.body_iterator, translator),
+                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        if not isinstance(result, dict):
+            return result  # a refusal already in its final shape
+        return JSONResponse(adapter.render_response(_answer(reply_of(result), secret), model_id))
+
+    @router.post(PATH + "/count_tokens", name=PROTOCOL + "-count-tokens")
+    async def count_tokens(request: Request, caller: Caller = Depends(current_caller)):
+        """`{"input_tokens": N}`: the prompt tokens, cached or not, that
+        messages.create renders for the same body."""
+        raw = await read_body(request)
+        if as_provider and (refused := validation_error(PROTOCOL, raw)) is not None:
+            return refused
+        chat = parsed(raw, request.app.state.secret)
+        runtime = request.app.state.runtime
+        count = await anyio.to_thread.run_sync(prompt_tokens, runtime, chat.messages, chat.tools, caller.tenant)
+        return {"input_tokens": count}
+
     return router
+
+
+def _stream(raw: object) -> bool:
+    """The body's `stream`. Raises InvalidRequest for a non-boolean."""
+    value = raw.get("stream") if isinstance(raw, dict) else None
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequest("stream: expected a boolean", param="stream")
+    return bool(value)
+
+
+def _tool_choice(raw: object) -> object:
+    """The body as the chat route is to answer it: with tool_choice none, its
+    tools left out of the prompt (the model is not offered any). Raises
+    InvalidRequest for a tool_choice this server cannot honour (any, tool) or
+    cannot read."""
+    if not isinstance(raw, dict) or raw.get("tool_choice") is None:
+        return raw
+    choice = raw["tool_choice"]
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in _TOOL_CHOICES:
+        raise InvalidRequest(f"tool_choice: expected an object with type one of {', '.join(_TOOL_CHOICES)}",
+                             param="tool_choice")
+    if kind in ("any", "tool"):
+        raise InvalidRequest(f"tool_choice {json.dumps(choice)} is not supported by this server: it cannot force "
+                             "a tool call (auto and none are supported); leave it out", param="tool_choice")
+    if kind == "none":
+        return {k: v for k, v in raw.items() if k not in ("tools", "tool_choice")}
+    return raw
+
+
+def _check_thinking(raw: dict, secret: ServerSecret) -> None:
+    """Every thinking block of the history must be this server's, its
+    signature made by `secret` over its text; redacted_thinking, which this
+    server never makes, is refused. Raises InvalidRequest in Anthropic's words."""
+    for i, message in enumerate(raw["messages"]):
+        if message.get("role") != "assistant" or not isinstance(message.get("content"), list):
+            continue
+        for j, block in enumerate(message["content"]):
+            where = f"messages.{i}.content.{j}"
+            if block.get("type") == "redacted_thinking":
+                raise InvalidRequest(f"{where}: `redacted_thinking` blocks are not made by this server, so none can "
+                                     "be sent to it", param=where)
+            if block.get("type") == "thinking" and not secret.verify(block["thinking"], block.get("signature")):
+                raise InvalidRequest(f"{where}: Invalid `signature` in `thinking` block", param=where)
+
+
+def _answer(reply: Reply, secret: ServerSecret) -> Reply:
+    """The chat route's reply as this server hands it out: a new message id,
+    the thinking (if any) signed in one block, tool calls under new ids."""
+    m = reply.message
+    text = reasoning_text(m)
+    # An empty reasoning makes no block, as the stream opens none for it.
+    reasoning = (Reasoning(text, {"type": "thinking", "thinking": text, "signature": secret.sign(text)}),) \
+        if text else None
+    calls = tuple(Call(new_id("toolu_"), c.name, c.arguments) for c in m.calls)
+    return dataclasses.replace(reply, message=Msg("assistant", m.content or "", reasoning, calls), id=new_id("msg_"))

@@ -6,8 +6,9 @@ it when the server runs `--validate` for it (refused with the provider's own
 status and body), converted to a chat history (roles, text, reasoning, tool
 calls and results: protocols/convert.py) and answered by the chat route's
 step, in a throw-away conversation; the answer is written back in the
-protocol's response shape. Stateless and not streamed: a conversation's chain
-is the session API's or `/v1/chat/completions`'s.
+protocol's response shape. Stateless (a conversation's chain is the session
+API's or `/v1/chat/completions`'s); `answer_stateless` does not stream
+(api/messages_route.py answers and streams /v1/messages itself).
 
 Bad input is refused as the chat route refuses it, in the route's own error
 shape (api/errors.py: Anthropic's on /v1/messages, OpenAI's on /v1/responses),
@@ -165,5 +166,5 @@ def reply_of(completion: dict) -> Reply:
     m = reply.message
     message = Msg("assistant", m.content or "", m.reasoning, m.calls)  # fresh layout: the target's default
     usage = reply.usage or Usage(0, 0)
-    return Reply(message, Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_input_tokens),
-                 reply.finish_reason, reply.id)
+    return Reply(message, Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_input_tokens,
+                                usage.reasoning_tokens), reply.finish_reason, reply.id)

@@ -17,7 +17,7 @@ import json
 from typing import Any, Optional
 
 from session_runtime.protocols.base import (
-    ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, error_message,
+    ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, dig, error_message,
     expect_ints, expect_list, expect_object, expect_str, is_int, parse_messages_request, render_messages_request,
     strip_result,
 )
@@ -235,7 +235,9 @@ def parse_usage(raw: Any) -> Optional[Usage]:
     expect_ints(raw, ("input_tokens", "output_tokens"), "usage")
     read, write = raw.get("cache_read_input_tokens"), raw.get("cache_creation_input_tokens")
     prompt = raw["input_tokens"] + (read if is_int(read) else 0) + (write if is_int(write) else 0)
-    return Usage(prompt, raw["output_tokens"], read if is_int(read) else None, None, raw=clone(raw))
+    thinking = dig(raw, "output_tokens_details", "thinking_tokens")
+    return Usage(prompt, raw["output_tokens"], read if is_int(read) else None,
+                 thinking if is_int(thinking) else None, raw=clone(raw))
 
 
 def render_usage(usage: Optional[Usage]) -> Optional[dict]:
@@ -246,6 +248,8 @@ def render_usage(usage: Optional[Usage]) -> Optional[dict]:
     out = {"input_tokens": usage.prompt_tokens - (usage.cached_input_tokens or 0), "output_tokens": usage.completion_tokens}
     if usage.cached_input_tokens is not None:
         out["cache_read_input_tokens"] = usage.cached_input_tokens
+    if usage.reasoning_tokens is not None:
+        out["output_tokens_details"] = {"thinking_tokens": usage.reasoning_tokens}
     return out
 
 

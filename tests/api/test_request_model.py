@@ -4,7 +4,8 @@ refuse the same bad input with the same status, never 500, each in its own
 protocol's error shape; every POST body must be JSON (415) and shallow (at
 most MAX_DEPTH levels); the served model is checked on all three; what the
 chat route cannot honour (stop sequences, a forced tool choice) is refused on
-the other two rather than dropped by the conversion.
+the other two rather than dropped by the conversion (/v1/messages honours
+tool_choice none by leaving the tools out of the prompt).
 
 Over the shared server of conftest.py; the edge's middlewares under other
 settings (keys, a small body limit, allowed hosts) through TestClient apps
@@ -247,11 +248,11 @@ def test_answering_as_the_provider_takes_its_model_names(live, protocol, path, o
     ("messages", "stop_sequences", ["END"],
      "stop_sequences are not supported; the template's end-of-turn token ends a step"),
     ("messages", "tool_choice", {"type": "any"},
-     'tool_choice {"type": "any"} is not supported by this server; leave it out'),
+     'tool_choice {"type": "any"} is not supported by this server: it cannot force a tool call (auto and none are '
+     'supported); leave it out'),
     ("messages", "tool_choice", {"type": "tool", "name": "get_weather"},
-     'tool_choice {"type": "tool", "name": "get_weather"} is not supported by this server; leave it out'),
-    ("messages", "tool_choice", {"type": "none"},  # with tools: none cannot be held to
-     'tool_choice {"type": "none"} is not supported by this server; leave it out'),
+     'tool_choice {"type": "tool", "name": "get_weather"} is not supported by this server: it cannot force a tool '
+     'call (auto and none are supported); leave it out'),
     ("responses", "tool_choice", "required", 'tool_choice "required" is not supported by this server; leave it out'),
     ("responses", "tool_choice", {"type": "function", "name": "get_weather"},
      'tool_choice {"type": "function", "name": "get_weather"} is not supported by this server; leave it out'),
@@ -269,6 +270,8 @@ def test_what_the_chat_route_refuses_is_refused_not_dropped(client, rt, route, f
 @pytest.mark.parametrize("route, fields", [
     ("messages", {"stop_sequences": []}), ("messages", {"stop_sequences": None}),
     ("messages", {"tool_choice": {"type": "auto"}}), ("messages", {"tool_choice": {"type": "none"}}),
+    # none with tools: the tools are left out of the prompt (test_messages_route.py::test_tool_choice)
+    ("messages", {"tool_choice": {"type": "none"}, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
     ("responses", {"tool_choice": "auto"}), ("responses", {"tool_choice": "none"}),
     ("responses", {"text": {"format": {"type": "text"}}}),
 ])

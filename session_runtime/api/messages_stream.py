@@ -1,0 +1,192 @@
+"""Anthropic's streaming events for `POST /v1/messages` with `stream: true`,
+translated from the chat route's stream of chat.completion.chunk lines.
+
+The sequence, as Anthropic sends it: `message_start` (the message with an
+empty content and the usage known so far), `ping`, then per content block
+`content_block_start`, its deltas and `content_block_stop`, then
+`message_delta` (stop_reason and the final usage) and `message_stop`.
+reasoning_content deltas become a `thinking` block whose last delta is a
+`signature_delta` (the server's signature of its whole text), content deltas a
+`text` block, tool calls `tool_use` blocks with `input_json_delta`s. An error
+after the stream started is Anthropic's `event: error`; one before it never
+reaches here (the chat route raises it, and the error handlers answer it).
+
+The split of the prompt into cached and uncached tokens is known only once the
+step has matched its prefix, which the chat route reports with its last chunk:
+`message_start` therefore says 0 input tokens and `message_delta` carries the
+step's real figures (input, cache reads, output), which Anthropic's SDK merges
+into the final message.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import AsyncIterator, Callable, Optional, Union
+
+# OpenAI's finish_reason -> Anthropic's stop_reason.
+STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
+# The chat route's error codes (the session API's kinds) that are Anthropic's
+# "overloaded" (worth a retry later) or "rate limited".
+_OVERLOADED = {"pool_exhausted", "backend_unavailable", "unavailable", "storage_unavailable", "upstream_unavailable"}
+_RATE_LIMITED = {"conversation_limit", "storage_limit"}
+_ANTHROPIC_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+                    "request_too_large", "rate_limit_error", "api_error", "overloaded_error"}
+
+
+def new_id(prefix: str) -> str:
+    """An id as Anthropic writes them (`msg_...`, `toolu_...`): the prefix and
+    96 random bits, so ids from different requests never meet."""
+    return prefix + secrets.token_hex(12)
+
+
+def sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def anthropic_usage(usage: Optional[dict]) -> dict:
+    """A chat completion's usage in Anthropic's names: `input_tokens` is the
+    uncached part of the prompt, `cache_read_input_tokens` the cached part,
+    and the reasoning tokens `output_tokens_details.thinking_tokens`."""
+    usage = usage or {}
+    prompt = usage.get("prompt_tokens") or 0
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    out = {"input_tokens": prompt - cached, "cache_read_input_tokens": cached,
+           "output_tokens": usage.get("completion_tokens") or 0}
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+    if isinstance(reasoning, int):
+        out["output_tokens_details"] = {"thinking_tokens": reasoning}
+    return out
+
+
+def error_event(error: dict) -> str:
+    """The chat route's late error (OpenAI's error object) as Anthropic's `error` event."""
+    code, kind = error.get("code"), error.get("type")
+    if code in _OVERLOADED:
+        kind = "overloaded_error"
+    elif code in _RATE_LIMITED:
+        kind = "rate_limit_error"
+    elif kind not in _ANTHROPIC_TYPES:
+        kind = "api_error"  # OpenAI's server_error, and anything else
+    return sse("error", {"type": "error", "error": {"type": kind, "message": str(error.get("message", ""))}})
+
+
+class Translator:
+    """One stream's state: the open content block, the thinking text it has
+    sent (to sign at the block's end), the finish reason and usage. `chunk`
+    and `end` return the SSE events to send."""
+
+    def __init__(self, message_id: str, model: str, sign: Callable[[str], str]):
+        self.message_id, self.model, self.sign = message_id, model, sign
+        self.index = -1  # of the open block; -1 before the first
+        self.kind: Optional[str] = None  # the open block's type; None when none is open
+        self.thinking = ""
+        self.finish: Optional[str] = None
+        self.usage: Optional[dict] = None
+        self.failed = False
+
+    def start(self) -> list[str]:
+        message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+        return [sse("message_start", {"type": "message_start", "message": message}), sse("ping", {"type": "ping"})]
+
+    def chunk(self, chunk: dict) -> list[str]:
+        if "error" in chunk:
+            self.failed = True
+            return [error_event(chunk["error"] if isinstance(chunk["error"], dict) else {})]
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        out: list[str] = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._delta("thinking", {"type": "thinking_delta", "thinking": delta["reasoning_content"]})
+                self.thinking += delta["reasoning_content"]
+            if delta.get("content"):
+                out += self._delta("text", {"type": "text_delta", "text": delta["content"]})
+            for call in delta.get("tool_calls") or ():
+                out += self._tool_call(call)
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return out
+
+    def end(self) -> list[str]:
+        """The closing events; an `error` event instead when the chat stream
+        ended without a finish (it never does unless cut short)."""
+        if self.failed:
+            return []
+        if self.finish is None:
+            return [error_event({"type": "api_error", "message": "the stream ended before the answer did"})]
+        delta = {"stop_reason": STOP_REASON.get(self.finish, "end_turn"), "stop_sequence": None}
+        return self._close() + [sse("message_delta", {"type": "message_delta", "delta": delta,
+                                                      "usage": anthropic_usage(self.usage)}),
+                                sse("message_stop", {"type": "message_stop"})]
+
+    def _delta(self, kind: str, delta: dict) -> list[str]:
+        out = []
+        if self.kind != kind:
+            out += self._open({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                              else {"type": "text", "text": ""})
+        return out + [sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})]
+
+    def _tool_call(self, call: dict) -> list[str]:
+        """A call's first chunk (it has the id) opens a tool_use block; its
+        arguments, whole or in pieces, are that block's input_json_deltas.
+        The engine's call ids name calls in its throw-away conversation only:
+        the client gets ids of its own."""
+        out = []
+        if call.get("id") or self.kind != "tool_use":
+            name = (call.get("function") or {}).get("name") or ""
+            out += self._open({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}})
+        arguments = (call.get("function") or {}).get("arguments")
+        if arguments:
+            out.append(sse("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                   "delta": {"type": "input_json_delta", "partial_json": arguments}}))
+        return out
+
+    def _open(self, block: dict) -> list[str]:
+        out = self._close()
+        self.index += 1
+        self.kind = block["type"]
+        return out + [sse("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                  "content_block": block})]
+
+    def _close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        out = []
+        if self.kind == "thinking":  # the signature covers the block's whole text, so it comes last
+            out.append(sse("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                   "delta": {"type": "signature_delta",
+                                                             "signature": self.sign(self.thinking)}}))
+            self.thinking = ""
+        self.kind = None
+        return out + [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+
+async def anthropic_events(chat_lines: AsyncIterator[Union[str, bytes]], translator: Translator) -> AsyncIterator[str]:
+    """Anthropic's events for the chat route's SSE body. Closing this iterator
+    (the client went away) closes `chat_lines`, which cancels the step."""
+    try:
+        for event in translator.start():
+            yield event
+        buffer = ""
+        async for piece in chat_lines:
+            buffer += piece.decode("utf-8") if isinstance(piece, bytes) else piece
+            # An event ends at a blank line; a piece may hold several, or part of one.
+            *events, buffer = buffer.split("\n\n")
+            for event in events:
+                for line in event.splitlines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    for out in translator.chunk(json.loads(line[5:])):
+                        yield out
+                    if translator.failed:
+                        return
+        for event in translator.end():
+            yield event
+    finally:
+        close = getattr(chat_lines, "aclose", None)
+        if close is not None:
+            await close()
