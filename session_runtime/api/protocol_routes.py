@@ -8,7 +8,8 @@ calls and results: protocols/convert.py) and answered by the chat route's
 step, in a throw-away conversation; the answer is written back in the
 protocol's response shape. Stateless (a conversation's chain is the session
 API's or `/v1/chat/completions`'s); `answer_stateless` does not stream
-(api/messages_route.py answers and streams /v1/messages itself).
+(api/messages_route.py answers and streams /v1/messages itself, and
+api/responses_route.py /v1/responses, with stored responses).
 
 Bad input is refused as the chat route refuses it, in the route's own error
 shape (api/errors.py: Anthropic's on /v1/messages, OpenAI's on /v1/responses),

@@ -1,19 +1,258 @@
-"""`POST /v1/responses`: OpenAI Responses, served by the local engine through the chat
-route (api/protocol_routes.py has what the protocol routes share)."""
+"""`/v1/responses`: OpenAI Responses, served by the local engine through the
+chat route (api/protocol_routes.py has what the protocol routes share).
+
+`POST /v1/responses` answers plain or streamed (`stream: true`: Responses'
+events, api/responses_stream.py), with ids on the response and every item
+(api/responses_output.py). A request is parsed and checked as the other
+protocol routes check theirs (`chat_request`), then:
+
+- `store: false`: answered in a throw-away conversation, as the chat route
+  answers a request without `conversation_id`; nothing is kept but the KV in
+  the tree (evictable), so a client that sends its whole history again next
+  turn reuses it. Reasoning items come back with `encrypted_content` when
+  `include` asks for `reasoning.encrypted_content`; sent back in `input`,
+  they are decrypted (the server's own only: any other token is 400).
+- `store: true` (the default, as on OpenAI): the response IS a conversation of
+  the runtime, created with the caller's tenant under the response's id (it
+  counts toward the tenant's conversations); api/responses_store.py maps
+  each response id to its conversation and where in it the response ended.
+- `previous_response_id`: continues that response's conversation with only
+  the new input (a user message, or function_call_output items answering its
+  calls), the chat route's "only new input" shape, so the step prefills only
+  that. The conversation keeps its system prompt: `instructions` on a
+  follow-up must be the same or left out (OpenAI does not carry instructions
+  over; here the cache starts with them, so other instructions are 400).
+  Only the conversation's latest response can be continued: a fork from an
+  older one is 409 previous_response_not_latest naming the latest. A
+  follow-up with `store: false` is 400 (the stored conversation would move on
+  without a response to continue from). Unknown, deleted or another tenant's:
+  404 previous_response_not_found. One response per conversation at a time
+  (409 conversation_locked).
+
+`GET /v1/responses/{id}` returns a stored response as it was answered;
+`DELETE /v1/responses/{id}` forgets it, and deleting the last stored response
+of a conversation deletes the conversation (its turns and KV chain). A
+conversation stepped through another route (the chat route with its id, the
+session API) is no longer continued from its earlier responses (409).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import threading
+from typing import Callable, Optional
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from session_runtime.api.protocol_routes import answer_stateless
+from session_runtime.api.auth import current_caller
+from session_runtime.api.protocol_routes import chat_request, read_body
+from session_runtime.api.proxy_routes import validation_error
+from session_runtime.api.responses_errors import (
+    PreviousResponseNotFound, PreviousResponseNotLatest, ResponseInProgress, ResponseNotFound,
+)
+from session_runtime.api.responses_input import ENCRYPTED, decrypt_reasoning, only_new_input
+from session_runtime.api.responses_output import OutputIds, finished, output_items, shell
+from session_runtime.api.responses_store import ResponseStore, StoredResponse
+from session_runtime.api.responses_stream import ResponseEvents, translate
+from session_runtime.api.settings import Caller
+from session_runtime.api.streaming import cancellable
+from session_runtime.errors import ConversationNotFound, InvalidRequest
+from session_runtime.protocols import get_protocol
 
 PATH = "/v1/responses"
 PROTOCOL = "openai-responses"
 
 
+class _Responses:
+    """The route's state: the response table (opened at the first request, in
+    the runtime's data folder) and the conversations a response is being
+    answered on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._store: Optional[ResponseStore] = None
+        self._busy: set[str] = set()
+
+    def store(self, runtime) -> ResponseStore:
+        from pathlib import Path
+
+        with self._lock:
+            if self._store is None:
+                data_dir = runtime.config.data_dir
+                self._store = ResponseStore(Path(data_dir) / "responses.sqlite3" if data_dir else None)
+            return self._store
+
+    def claim(self, cid: str) -> Callable[[], None]:
+        """Mark the conversation busy until the returned release is called (once
+        the answer is sent). Raises ResponseInProgress while another holds it."""
+        with self._lock:
+            if cid in self._busy:
+                raise ResponseInProgress(f"a response on the conversation of this previous_response_id is still "
+                                         "in progress; send this request once it has completed")
+            self._busy.add(cid)
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                with self._lock:
+                    self._busy.discard(cid)
+
+        return release
+
+
+class _Releasing(StreamingResponse):
+    """A stream that calls `release` once it is over, however it ended."""
+
+    def __init__(self, content, release: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
     router = APIRouter()
-    router.post(PATH, name=PROTOCOL)(answer_stateless(PATH, PROTOCOL, chat_router, validate, model_id))
+    adapter = get_protocol(PROTOCOL)
+    state = _Responses()
+
+    @router.post(PATH, name=PROTOCOL)
+    async def create(request: Request, caller: Caller = Depends(current_caller)):
+        """Answer a Responses request (module docstring). Raises InvalidRequest,
+        InvalidEncryptedContent, PreviousResponseNotFound (404),
+        PreviousResponseNotLatest and ResponseInProgress (409), and the chat
+        route's errors; before a stream starts every error is an HTTP error."""
+        raw = await read_body(request)
+        as_provider = validate == PROTOCOL
+        if as_provider:
+            refused = validation_error(PROTOCOL, raw)
+            if refused is not None:
+                return refused
+        raw = decrypt_reasoning(raw, request.app.state.secret)
+        # As the provider, any of its model names is taken (the chat route drops `model` then too).
+        chat = chat_request(adapter, PROTOCOL, raw, None if as_provider else model_id)
+        assert isinstance(raw, dict)  # chat_request refuses any other body
+        store, previous = _flag(raw, "store", True), raw.get("previous_response_id")
+        stream = _flag(raw, "stream", False)
+        if previous is not None and not isinstance(previous, str):
+            raise InvalidRequest("previous_response_id: expected a string", param="previous_response_id")
+        if previous is not None and not store:
+            raise InvalidRequest("store: false cannot continue a stored response here: the stored conversation "
+                                 "would move on with no response to continue it from; leave store out",
+                                 param="store")
+        include = raw.get("include") if isinstance(raw.get("include"), list) else []
+        encrypt = request.app.state.secret.encrypt if ENCRYPTED in include else None
+        runtime = request.app.state.runtime
+
+        def answer(cancel):
+            responses = state.store(runtime)
+            ids = OutputIds()
+            base = shell(raw, ids, model_id, chat.temperature, chat.top_p, store)
+            body, cid, release = chat, None, lambda: None
+            if previous is not None:
+                rec = responses.get(previous)
+                if rec is None or not caller.may_see(rec.tenant):
+                    raise PreviousResponseNotFound(previous)
+                cid = rec.conversation_id
+                release = state.claim(cid)
+            elif store:
+                cid = ids.response  # the first response names its conversation
+                release = state.claim(cid)
+            try:
+                if previous is not None:
+                    body = chat.model_copy(update={"conversation_id": cid,
+                                                   "messages": _continuing(runtime, responses, rec,
+                                                                               chat.messages)})
+                elif store:
+                    body = chat.model_copy(update={"conversation_id": cid, "create": True})
+                if stream:
+                    body = body.model_copy(update={"stream": True, "stream_options": {"include_usage": True}})
+                result = chat_router.complete(body, caller, cancel)
+            except BaseException:
+                release()
+                raise
+
+            def record(response: dict) -> None:
+                if cid is not None:
+                    conv = runtime.get(cid)
+                    responses.put(StoredResponse(ids.response, cid, conv.tenant, len(conv.trace), ids.call_ids(),
+                                                 response))
+
+            if isinstance(result, StreamingResponse):
+                events = ResponseEvents(base, ids, encrypt, on_done=record)
+                return _Releasing(translate(result.body_iterator, events), release, media_type="text/event-stream")
+            try:
+                if not isinstance(result, dict):
+                    return result  # a refusal already in its final shape
+                choice = result["choices"][0]
+                message = choice["message"]
+                output = output_items(ids, message.get("reasoning_content") or "", message.get("content") or "",
+                                      message.get("tool_calls") or [], choice["finish_reason"] == "length", encrypt)
+                response = finished(base, output, choice["finish_reason"], result.get("usage"))
+                record(response)
+                return JSONResponse(response)
+            finally:
+                release()
+
+        return await cancellable(request, answer)
+
+    @router.get(PATH + "/{rid}")
+    def get(rid: str, request: Request, caller: Caller = Depends(current_caller)) -> dict:
+        """A stored response as it was answered. Raises ResponseNotFound."""
+        return _visible(state.store(request.app.state.runtime), rid, caller).body
+
+    @router.delete(PATH + "/{rid}")
+    def delete(rid: str, request: Request, caller: Caller = Depends(current_caller)) -> dict:
+        """Forget a stored response; with the last of its conversation's, the
+        conversation too (deleted first: a delete that cannot be saved does not
+        happen). Raises ResponseNotFound."""
+        runtime = request.app.state.runtime
+        responses = state.store(runtime)
+        rec = _visible(responses, rid, caller)
+        if responses.count(rec.conversation_id) == 1:
+            with contextlib.suppress(ConversationNotFound):  # deleted through the session API already
+                runtime.delete_conversation(rec.conversation_id)
+        responses.delete(rid)
+        return {"id": rid, "object": "response.deleted", "deleted": True}
+
     return router
+
+
+def _flag(raw: dict, name: str, default: bool) -> bool:
+    value = raw.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name}: expected a boolean", param=name)
+    return value
+
+
+def _visible(responses: ResponseStore, rid: str, caller: Caller) -> StoredResponse:
+    rec = responses.get(rid)
+    if rec is None or not caller.may_see(rec.tenant):  # another tenant's is not the caller's business
+        raise ResponseNotFound(rid)
+    return rec
+
+
+def _continuing(runtime, responses: ResponseStore, rec: StoredResponse, messages: list[dict]) -> list[dict]:
+    """The new input of a request continuing `rec`, once its conversation is
+    found at `rec`'s end. Raises PreviousResponseNotFound (the conversation was
+    deleted), PreviousResponseNotLatest (it moved on), InvalidRequest."""
+    try:
+        conv = runtime.get(rec.conversation_id)
+    except ConversationNotFound:
+        raise PreviousResponseNotFound(rec.id) from None
+    if len(conv.trace) != rec.position:
+        latest = responses.latest(rec.conversation_id)
+        then = (f"continue from its latest response {latest.id!r}" if latest is not None and latest.id != rec.id
+                else "it was stepped through another route")
+        raise PreviousResponseNotLatest(
+            f"previous_response {rec.id!r} is not the latest response of its conversation: this server continues a "
+            f"stored conversation only from its end ({then}); to branch off, send the whole history with "
+            "store: false")
+    return only_new_input(messages, conv.system, rec.calls)
