@@ -295,3 +295,49 @@ def test_count_tokens_is_the_prompt_of_the_same_request(sdk, client, rt):
     r = client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": [{"role": "robot"}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[0].role")
     assert set(rt.conversations) == before  # nothing kept
+
+
+def test_a_stream_whose_client_disconnects_is_cancelled_and_leaves_nothing(live, rt, monkeypatch):
+    """The client reads the first delta of a long decode and leaves: the step
+    is cancelled (it would have run 400 tokens) and its throw-away conversation is gone."""
+    import threading
+
+    real, outcome, done = rt.chat_step, {}, threading.Event()
+
+    def chat_step(cid, request, **kw):
+        try:
+            outcome["step"] = real(cid, request, **kw)
+        except Exception as exc:
+            outcome["error"] = exc
+            raise
+        finally:
+            done.set()
+        return outcome["step"]
+
+    monkeypatch.setattr(rt, "chat_step", chat_step)
+    before = set(rt.conversations)
+    body = {"model": MODEL, "max_tokens": 400, "stream": True, "messages": [user("Go on and on")]}
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        with c.stream("POST", "/v1/messages", json=body) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if "content_block_delta" in line)
+    assert done.wait(60), "the abandoned step never stopped"
+    assert type(outcome.get("error")).__name__ == "StepCancelled", outcome
+    assert set(rt.conversations) == before
+    rt.check_integrity()
+
+
+def test_tool_choice_none_with_a_tool_history(sdk, rt, monkeypatch):
+    """none leaves the tools out of the prompt; a history of tool_use and
+    tool_result blocks still renders (as calls and results) and is answered."""
+    system = "[messages] none after a call."
+    force(monkeypatch, rt, {(system, "message"): CALL})
+    first = sdk.messages.create(model=MODEL, max_tokens=64, system=system, tools=TOOLS, messages=[user("Paris?")])
+    call = first.content[1]
+    history = [user("Paris?"), {"role": "assistant", "content": blocks(first)},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "15 C"}]}]
+    answer = sdk.messages.create(model=MODEL, max_tokens=2, system=system, tools=TOOLS, messages=history,
+                                 tool_choice={"type": "none"})
+    counted = sdk.messages.count_tokens(model=MODEL, system=system, messages=history).input_tokens
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == counted
+    assert counted < sdk.messages.count_tokens(model=MODEL, system=system, tools=TOOLS, messages=history).input_tokens
