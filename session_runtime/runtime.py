@@ -367,14 +367,19 @@ class Runtime(RuntimeInspection):
     def _message_step(self, conv: Conversation, content: str, *, max_tokens=None, temperature=0.0, seed=None,
                       logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0, top_logprobs=0) -> Step:
         """send_message's step, the conversation's lock held."""
+        new = self._user_message(conv, content)
+        return self._step(conv, new, new[0].turn,
+                          self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs),
+                          forced, on_token, cancel)
+
+    def _user_message(self, conv: Conversation, content: str) -> list[Message]:
+        """The user message that opens the conversation's next turn. Raises
+        ConversationBusy while tool calls are pending."""
         if conv.protocol is not None:
             pending = [c.id for c in conv.protocol.pending_calls]
             raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}; answer them "
                                    "first")
-        turn = len(conv.turns)
-        return self._step(conv, [Message("user", turn, content)], turn,
-                          self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs),
-                          forced, on_token, cancel)
+        return [Message("user", len(conv.turns), content)]
 
     def send_tool_results(
         self,
@@ -405,6 +410,15 @@ class Runtime(RuntimeInspection):
                       seed=None, logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0,
                       top_logprobs=0) -> Step:
         """send_tool_results' step, the conversation's lock held."""
+        msgs = self._result_messages(conv, results)
+        return self._step(conv, msgs, msgs[0].turn, self._sampling(conv, max_tokens, temperature, seed, logprobs,
+                                                                    top_p, top_logprobs),
+                          forced, on_token, cancel)
+
+    def _result_messages(self, conv: Conversation, results: Sequence[dict]) -> list[Message]:
+        """The tool messages answering every pending call, in the calls' order.
+        Raises ToolCallConflict (none pending, unknown or repeated id),
+        InvalidRequest (a call left unanswered, bad results), ContextTooLong."""
         if conv.protocol is None:
             raise ToolCallConflict("no tool call is pending in this conversation")
         by_id = {}
@@ -423,10 +437,21 @@ class Runtime(RuntimeInspection):
         if missing:
             raise InvalidRequest(f"results must answer every pending call; missing {missing}")
         turn = conv.protocol.turn
-        msgs = [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
-        return self._step(conv, msgs, turn, self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p,
-                                                             top_logprobs),
-                          forced, on_token, cancel)
+        return [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
+
+    def prompt_tokens(self, conversation_id: str, request: continuation.ChatInput) -> int:
+        """The prompt tokens a step would render for `request`'s new input on the
+        conversation (no step runs, nothing changes). Raises what the step
+        would raise for that input before running."""
+        content = request.user_content
+        if content is not None:
+            self._check_message(content)
+        with self._locked(conversation_id) as conv:
+            new = self._user_message(conv, content) if content is not None else \
+                self._result_messages(conv, request.tool_results())
+            keep = conv.policy.kept_turns(conv.closed_turns)
+            return len(self.template(conv.template).render(conv.system, conv.tools, conv.history + new, keep,
+                                                           True).ids)
 
     @property
     def max_tokens_limit(self) -> int:
