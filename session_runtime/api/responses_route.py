@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from pathlib import Path
 from typing import Callable, Optional
 
 from fastapi import APIRouter, Depends, Request
@@ -75,8 +76,6 @@ class _Responses:
         self._busy: set[str] = set()
 
     def store(self, runtime) -> ResponseStore:
-        from pathlib import Path
-
         with self._lock:
             if self._store is None:
                 data_dir = runtime.config.data_dir
@@ -88,7 +87,7 @@ class _Responses:
         the answer is sent). Raises ResponseInProgress while another holds it."""
         with self._lock:
             if cid in self._busy:
-                raise ResponseInProgress(f"a response on the conversation of this previous_response_id is still "
+                raise ResponseInProgress("a response on the conversation of this previous_response_id is still "
                                          "in progress; send this request once it has completed")
             self._busy.add(cid)
         released = threading.Event()

@@ -307,10 +307,13 @@ def test_a_function_call_round_trip(oai, client, rt, monkeypatch):
     assert events[-3]["arguments"] == events[-4]["delta"] == call["arguments"]
     monkeypatch.undo()
     answer = oai.responses.create(model=MODEL, previous_response_id=response["id"], tools=TOOLS, max_output_tokens=2,
-                                  input=[{"type": "function_call_output", "call_id": call["call_id"], "output": "15 C"}])
+                                  input=[{"type": "function_call_output", "call_id": call["call_id"],
+                                          "output": "15 C"}])
     assert answer.previous_response_id == response["id"]
     trace = rt.get(response["id"]).trace
     assert [(e.message.role, e.message.content) for e in trace[2:3]] == [("tool", "15 C")]
+    # The runtime keeps its own call id; the response's random call_id was mapped back to it.
+    assert trace[2].message.tool_call_id == trace[1].message.tool_calls[0].id != call["call_id"]
     # A call_id the previous response did not make is refused by the runtime (409), and changes nothing.
     r = client.post("/v1/responses", json={"previous_response_id": answer.id, "input": [
         {"type": "function_call_output", "call_id": "call_other", "output": "x"}]})
@@ -320,8 +323,6 @@ def test_a_function_call_round_trip(oai, client, rt, monkeypatch):
 
 
 def test_an_error_after_the_stream_started_is_response_failed(client, rt, monkeypatch):
-    real = rt.chat_step
-
     def chat_step(cid, request, on_token=None, **kw):
         on_token(rt.tokenizer.encode("x")[0])  # the stream starts: one token out
         raise BackendUnavailable("the backend went away")
@@ -331,7 +332,6 @@ def test_an_error_after_the_stream_started_is_response_failed(client, rt, monkey
     check_events(events)
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "the backend went away"}
-    del real
 
 
 def test_stored_responses_survive_a_restart(tmp_path):
