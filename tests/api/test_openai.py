@@ -471,3 +471,32 @@ def test_top_logprobs_are_the_most_likely_tokens_best_first(oai):
         assert (tops[0].token, tops[0].logprob) == (tok.token, pytest.approx(tok.logprob, abs=1e-5))
     with pytest.raises(openai.BadRequestError):
         chat(oai, [sys("[top-logprobs] Alternatives."), user("Hi")], max_tokens=1, top_logprobs=2)  # needs logprobs
+
+
+def test_the_sdks_stream_helper_and_its_types(oai, rt, monkeypatch):
+    """`client.chat.completions.stream(...)`: every chunk validates as the SDK's
+    ChatCompletionChunk, the final completion as ChatCompletion, and a forced
+    tool call arrives whole in the helper's final message."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    real = rt.chat_step
+
+    def chat_step(cid, request, **kw):
+        kw["forced"] = {"reasoning": "Use the tool.", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
+        return real(cid, request, **kw)
+
+    monkeypatch.setattr(rt, "chat_step", chat_step)
+    messages = [sys("[stream-helper] The SDK's helper."), user("Weather in Oslo?")]
+    with oai.chat.completions.stream(model="tiny", messages=messages, tools=TOOLS, max_tokens=4,
+                                     stream_options={"include_usage": True}) as s:
+        chunks = [e.chunk for e in s if e.type == "chunk"]
+        final = s.get_final_completion()
+    monkeypatch.undo()
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c.model_dump(mode="json"), strict=True)
+    ChatCompletion.model_validate(final.model_dump(mode="json", exclude={"choices": {0: {"message": {"parsed"}}}}))
+    message = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls" and final.id.startswith("chatcmpl-")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    assert final.usage.completion_tokens_details.reasoning_tokens == len(rt.tokenizer.encode_text("Use the tool.")) + 1
