@@ -86,7 +86,10 @@ def run_command(args, out=None, err=None) -> int:
     try:
         config = RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                                pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
-                               template=args.template)
+                               template=args.template,
+                               # A trace's tools are replayed as recorded: the serving limits
+                               # protect a shared server from its tenants, not from a local file.
+                               max_tools=0, max_tools_bytes=0, max_tenant_bytes=0)
         cost, clock = analysis.settings(args, config.prefill_chunk)
     except ValueError as exc:
         print(f"session-runtime replay: {exc}", file=err)
