@@ -1,15 +1,13 @@
-"""Anthropic Messages (`POST /v1/messages`) and OpenAI Responses
-(`POST /v1/responses`) served inbound by the local engine.
+"""What Anthropic Messages (`POST /v1/messages`, api/messages_route.py) and
+OpenAI Responses (`POST /v1/responses`, api/responses_route.py) share when
+the local engine answers them.
 
 A request is parsed by its protocol adapter, checked as that provider checks
 it when the server runs `--validate` for it (refused with the provider's own
 status and body), converted to a chat history (roles, text, reasoning, tool
 calls and results: protocols/convert.py) and answered by the chat route's
-step, in a throw-away conversation; the answer is written back in the
-protocol's response shape. Stateless (a conversation's chain is the session
-API's or `/v1/chat/completions`'s); `answer_stateless` does not stream
-(api/messages_route.py answers and streams /v1/messages itself, and
-api/responses_route.py /v1/responses, with stored responses).
+step; the answer is written back in the protocol's response shape, plain or
+streamed, by the route's own module.
 
 Bad input is refused as the chat route refuses it, in the route's own error
 shape (api/errors.py: Anthropic's on /v1/messages, OpenAI's on /v1/responses),
@@ -28,15 +26,11 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from session_runtime.api.auth import current_caller
 from session_runtime.api.errors import ModelNotFound
-from session_runtime.api.proxy_routes import answerable, validation_error
-from session_runtime.api.settings import Caller
-from session_runtime.api.streaming import cancellable
+from session_runtime.api.proxy_routes import answerable
 from session_runtime.errors import InvalidRequest
 from session_runtime.protocols import ProtocolInputError, get_protocol
 from session_runtime.protocols.base import dig
@@ -68,30 +62,6 @@ async def read_body(request: Request) -> object:
         # RecursionError: nested past Python's limit. JsonBodies (api/content_type.py)
         # refuses such a body before it gets here; this is the backstop.
         raise InvalidRequest(f"the body is not JSON: {exc}") from None
-
-
-def answer_stateless(path: str, protocol: str, chat_router, validate: Optional[str], model_id: str):
-    """The handler of a protocol route answered statelessly, not streamed:
-    parse, check, convert to the chat route's request, answer, render back."""
-    adapter = get_protocol(protocol)
-
-    async def answer(request: Request, caller: Caller = Depends(current_caller)):
-        raw = await read_body(request)
-        as_provider = validate == protocol
-        if as_provider:
-            refused = validation_error(protocol, raw)
-            if refused is not None:
-                return refused
-        if isinstance(raw, dict) and raw.get("stream"):
-            raise InvalidRequest(f"streaming is not served on {path}; use /v1/chat/completions", param="stream")
-        # As the provider, any of its model names is taken (the chat route drops `model` then too).
-        chat = chat_request(adapter, protocol, raw, None if as_provider else model_id)
-        result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel))
-        if not isinstance(result, dict):
-            return result  # a refusal already in its final shape
-        return JSONResponse(adapter.render_response(reply_of(result), model_id))
-
-    return answer
 
 
 def chat_request(adapter, protocol: str, raw: object, served: Optional[str]):
