@@ -118,7 +118,7 @@ def first_difference(stored: Sequence[Message], sent: Sequence[Message]) -> Opti
     history and the stored one part, or None when they say the same. Reasoning
     is not compared (clients may drop it); tool results answering one step may
     come in any order."""
-    a, b = _results_by_id(stored), _results_by_id(list(enumerate(sent)))
+    a, b = _results_by_id(stored), _results_by_id(sent)
     for (_, mine), (i, theirs) in zip(a, b):
         if not same_message(mine, theirs):
             return i, f"({theirs.role}) differs from the stored {mine.role} message of"
@@ -135,13 +135,12 @@ def same_message(a: Message, b: Message) -> bool:
                                                                        for c in b.tool_calls])
 
 
-def _results_by_id(messages: Sequence) -> list[tuple[int, Message]]:
+def _results_by_id(messages: Sequence[Message]) -> list[tuple[int, Message]]:
     """(index, message) pairs; tool results that answer one step together are
     sorted by call id, so the order a client sends them in does not count."""
-    pairs = [m if isinstance(m, tuple) else (i, m) for i, m in enumerate(messages)]
     out: list[tuple[int, Message]] = []
     run: list[tuple[int, Message]] = []
-    for pair in [*pairs, None]:
+    for pair in [*enumerate(messages), None]:
         if pair is not None and pair[1].role == "tool":
             run.append(pair)
             continue

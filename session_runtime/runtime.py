@@ -30,7 +30,7 @@ from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
 from session_runtime.store import Store, estimated_bytes as store_bytes
-from session_runtime.tools import check_tools, tools_text
+from session_runtime.tools import check_tools
 from session_runtime.templates import Message, Template, ToolCall, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
 from session_runtime import continuation, importer
@@ -224,9 +224,9 @@ class Runtime(RuntimeInspection):
         if system is not None and not isinstance(system, str):
             raise InvalidRequest("system must be a string")
         _utf8("system", system or "")
-        tools = check_tools(tools, self.config.max_tools, self.config.max_tools_bytes)
+        tools, text = check_tools(tools, self.config.max_tools, self.config.max_tools_bytes)
         self._fits("system", system or "")
-        self._fits("tools", tools_text(tools))
+        self._fits("tools", text)
         return tools
 
     def _adopt(self, conv: Conversation, system: Optional[str], tools: Sequence[dict],
@@ -234,8 +234,8 @@ class Runtime(RuntimeInspection):
         """Make the conversation's system prompt, tools and history the client's
         (OpenAI messages without the system one), in memory only: the caller
         persists it with the step that follows. Keeps it as is when it already
-        says the same; returns whether it replaced it. Raises InvalidRequest."""
-        tools = self._check_prompt(system, tools)
+        says the same; returns whether it replaced it. `system` and `tools` were
+        checked by the caller (_check_prompt). Raises InvalidRequest."""
         self._fits("messages", "".join(map(importer.message_text, raw_messages)))
         tpl = self.template(conv.template)
         messages = importer.client_messages(tpl, raw_messages)
@@ -269,8 +269,8 @@ class Runtime(RuntimeInspection):
         with self._locked(conversation_id) as conv:
             before = copy.deepcopy(conv) if replace else None
             if replace:
-                self._adopt(conv, request.system, request.tools if request.tools is not None else conv.tools,
-                            request.history)
+                tools = self._check_prompt(request.system, request.tools if request.tools is not None else conv.tools)
+                self._adopt(conv, request.system, tools, request.history)
             else:
                 continuation.check(conv, self.template(conv.template), request)
             try:

@@ -8,28 +8,30 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Sequence
 
 from session_runtime.errors import InvalidRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 
-def check_tools(tools: object, max_count: int, max_bytes: int) -> list[dict]:
+def check_tools(tools: object, max_count: int, max_bytes: int) -> tuple[list[dict], str]:
     """The tools as a list, each `{"type": "function", "function": {name,
-    description?, parameters?, strict?}}` or the bare function object. Raises
+    description?, parameters?, strict?}}` or the bare function object, and
+    their JSON text (what a template may render of them, for the length check
+    that runs before anything is tokenized). Raises
     InvalidRequest (param `tools`) for another shape, more than `max_count`
     tools or more than `max_bytes` of JSON (0: no limit), before looking at
     each one."""
     if tools is None:
-        return []
+        return [], "[]"
     if not isinstance(tools, (list, tuple)):
         raise InvalidRequest("tools must be a list of objects", param="tools")
     if max_count and len(tools) > max_count:
         raise InvalidRequest(f"{len(tools)} tools are more than this server takes for one conversation "
                              f"({max_count}, --max-tools)", param="tools")
     try:
-        size = len(json.dumps(list(tools), ensure_ascii=False).encode("utf-8"))
+        text = json.dumps(list(tools), ensure_ascii=False)
+        size = len(text.encode("utf-8"))
     except (TypeError, ValueError, UnicodeEncodeError, RecursionError):
         raise InvalidRequest("tools must be JSON objects of valid Unicode text", param="tools") from None
     if max_bytes and size > max_bytes:
@@ -41,7 +43,7 @@ def check_tools(tools: object, max_count: int, max_bytes: int) -> list[dict]:
         if name in names:
             raise InvalidRequest(f"tools[{i}]: a second function named {name!r}", param="tools")
         names.add(name)
-    return list(tools)
+    return list(tools), text
 
 
 def _check_tool(tool: object, where: str) -> str:
@@ -65,9 +67,3 @@ def _check_tool(tool: object, where: str) -> str:
         if fn.get(key) is not None and not isinstance(fn[key], kinds):
             raise InvalidRequest(f"{where}.{key} must be {what}", param="tools")
     return name
-
-
-def tools_text(tools: Sequence[dict]) -> str:
-    """Everything of the tools that a template may render, as one text (for the
-    pre-tokenize length check)."""
-    return json.dumps(list(tools), ensure_ascii=False)

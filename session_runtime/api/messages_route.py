@@ -32,8 +32,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from session_runtime.api.auth import current_caller
-from session_runtime.api.messages_stream import Translator, anthropic_events, new_id
-from session_runtime.api.protocol_routes import chat_request, read_body, reply_of
+from session_runtime.api.messages_stream import Translator, anthropic_events
+from session_runtime.api.protocol_routes import chat_request, new_id, read_body, reply_of
 from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable

@@ -21,8 +21,10 @@ into the final message.
 from __future__ import annotations
 
 import json
-import secrets
 from typing import AsyncIterator, Callable, Optional, Union
+
+from session_runtime.api.protocol_routes import new_id
+from session_runtime.api.streaming import chat_chunks
 
 # OpenAI's finish_reason -> Anthropic's stop_reason.
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
@@ -32,12 +34,6 @@ _OVERLOADED = {"pool_exhausted", "backend_unavailable", "unavailable", "storage_
 _RATE_LIMITED = {"conversation_limit", "storage_limit"}
 _ANTHROPIC_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
                     "request_too_large", "rate_limit_error", "api_error", "overloaded_error"}
-
-
-def new_id(prefix: str) -> str:
-    """An id as Anthropic writes them (`msg_...`, `toolu_...`): the prefix and
-    96 random bits, so ids from different requests never meet."""
-    return prefix + secrets.token_hex(12)
 
 
 def sse(event: str, data: dict) -> str:
@@ -171,19 +167,11 @@ async def anthropic_events(chat_lines: AsyncIterator[Union[str, bytes]], transla
     try:
         for event in translator.start():
             yield event
-        buffer = ""
-        async for piece in chat_lines:
-            buffer += piece.decode("utf-8") if isinstance(piece, bytes) else piece
-            # An event ends at a blank line; a piece may hold several, or part of one.
-            *events, buffer = buffer.split("\n\n")
-            for event in events:
-                for line in event.splitlines():
-                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                        continue
-                    for out in translator.chunk(json.loads(line[5:])):
-                        yield out
-                    if translator.failed:
-                        return
+        async for chunk in chat_chunks(chat_lines):
+            for out in translator.chunk(chunk):
+                yield out
+            if translator.failed:
+                return
         for event in translator.end():
             yield event
     finally:

@@ -24,6 +24,7 @@ Responses' `text.format` other than text.
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Optional
 
 from fastapi import APIRouter, Request
@@ -52,6 +53,13 @@ def build_protocol_routes(chat_router, validate: Optional[str], model_id: str) -
     router.include_router(messages_route.build(chat_router, validate, model_id))
     router.include_router(responses_route.build(chat_router, validate, model_id))
     return router
+
+
+def new_id(prefix: str, random_bytes: int = 12) -> str:
+    """An item id as the providers write them (`msg_...`, `toolu_...`,
+    `resp_...`): the prefix and random hex, at least 96 bits, so ids from
+    different requests never meet."""
+    return prefix + secrets.token_hex(random_bytes)
 
 
 async def read_body(request: Request) -> object:

@@ -9,18 +9,14 @@ conversation it is stored as, and must not be guessable.
 
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from session_runtime.api.protocol_routes import new_id
 from session_runtime.protocols.base import dig
 
 Encrypt = Callable[[str], str]
-
-
-def new_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(24)
 
 
 @dataclass
@@ -29,14 +25,14 @@ class OutputIds:
     its id from `output_item.added` to `response.completed`. `calls` maps the
     runtime's id of each tool call to (item id, call_id); it fills as calls come."""
 
-    response: str = field(default_factory=lambda: new_id("resp_"))
-    reasoning: str = field(default_factory=lambda: new_id("rs_"))
-    message: str = field(default_factory=lambda: new_id("msg_"))
+    response: str = field(default_factory=lambda: new_id("resp_", 24))
+    reasoning: str = field(default_factory=lambda: new_id("rs_", 24))
+    message: str = field(default_factory=lambda: new_id("msg_", 24))
     calls: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def call(self, internal: str) -> tuple[str, str]:
         if internal not in self.calls:
-            self.calls[internal] = (new_id("fc_"), "call_" + secrets.token_hex(24))
+            self.calls[internal] = (new_id("fc_", 24), new_id("call_", 24))
         return self.calls[internal]
 
     def call_ids(self) -> dict[str, str]:

@@ -24,6 +24,7 @@ import json
 import logging
 from typing import AsyncIterator, Callable, Optional
 
+from session_runtime.api.streaming import chat_chunks
 from session_runtime.api.responses_output import (
     Encrypt, OutputIds, call_item, failed, finished, message_item, reasoning_item, reasoning_part, text_part,
 )
@@ -155,15 +156,9 @@ async def translate(lines: AsyncIterator[str], events: ResponseEvents) -> AsyncI
     try:
         for e in events.start():
             yield e
-        async for line in lines:
-            for raw in line.splitlines():
-                if not raw.startswith("data: "):
-                    continue
-                data = raw[len("data: "):]
-                if data == "[DONE]":
-                    break
-                for e in events.chunk(json.loads(data)):
-                    yield e
+        async for chunk in chat_chunks(lines):
+            for e in events.chunk(chunk):
+                yield e
         if not events.ended:  # the chat stream ended without a final chunk
             for e in events.fail({"message": "the step ended without an answer"}):
                 yield e

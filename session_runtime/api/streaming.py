@@ -11,7 +11,7 @@ import json
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Callable, Iterator, Optional, TypeVar
+from typing import AsyncIterator, Callable, Iterator, Optional, TypeVar, Union
 
 import anyio
 from starlette.concurrency import iterate_in_threadpool
@@ -130,6 +130,25 @@ def _lines(events: queue.Queue, tpl: Template, fmt: Format, head: tuple,
         yield f"data: {json.dumps(fmt(kind, value), ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
         return
+
+
+async def chat_chunks(lines: AsyncIterator[Union[str, bytes]]) -> AsyncIterator[dict]:
+    """The chat route's SSE body (`data: {chunk}` events, then `data: [DONE]`)
+    as chunk objects, however the body is cut into pieces: an event ends at a
+    blank line, and a piece may hold several events or part of one. The other
+    protocol routes translate these into their own events."""
+    buffer = ""
+    async for piece in lines:
+        buffer += piece.decode("utf-8") if isinstance(piece, bytes) else piece
+        *events, buffer = buffer.split("\n\n")
+        for event in events:
+            for line in event.splitlines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    return
+                yield json.loads(data)
 
 
 def safe_prefix(text: str, marker: str) -> str:
