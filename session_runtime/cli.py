@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--sglang-arg", action="append", default=[], metavar="FLAG",
                        help="an extra flag for the SGLang server the runtime launches (repeatable), "
                             "e.g. --sglang-arg=--chunked-prefill-size=2048")
+    serve.add_argument("--sglang-api-key", default=None, metavar="KEY",
+                       help="with --backend sglang: SGLang's --api-key, sent with every request and command "
+                            "(default: SGLANG_API_KEY from the environment); passed to a launched server")
+    serve.add_argument("--tp-size", type=int, default=_DEFAULTS.tp_size, metavar="N",
+                       help="with --backend sglang: tensor-parallel ranks of a launched server (on cpu each "
+                            "rank gets its share of the cores: SGLANG_CPU_OMP_THREADS_BIND unless set); a "
+                            "server given by --sglang-url says its own")
     serve.add_argument("--sglang-max-running", type=int, default=_DEFAULTS.sglang_max_running,
                        help="--max-running-requests of the launched SGLang server")
     serve.add_argument("--model", default=_DEFAULTS.model,
@@ -94,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--idle-ttl-s", type=float, default=_DEFAULTS.idle_ttl_s,
                        help="a closed conversation idle this long leaves the device (to the host tier, or "
                             "released when it is full); under pressure idle ones go first; 0: never")
-    serve.add_argument("--max-context", type=int, default=_DEFAULTS.max_context,
-                       help="the longest sequence (prompt plus output) a step may reach")
+    serve.add_argument("--max-context", type=int, default=None,
+                       help="the longest sequence (prompt plus output) a step may reach; default: the model's "
+                            "own limit (max_position_embeddings, or what a given SGLang server derives)")
     serve.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
                        help="the most tokens one step may generate; a request asking more is refused "
                             "(default and maximum: --max-context)")
@@ -186,7 +194,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend="upstream" if upstream else args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
         workers=args.workers, placement_epsilon=args.placement_epsilon, router_url=args.router_url,
-        sglang_max_running=args.sglang_max_running, request_deadline_s=args.request_deadline_s,
+        sglang_max_running=args.sglang_max_running, sglang_api_key=args.sglang_api_key, tp_size=args.tp_size, request_deadline_s=args.request_deadline_s,
         max_conversations_per_tenant=args.max_conversations_per_tenant,
         max_tenant_bytes=args.max_tenant_bytes, max_tools=args.max_tools, max_tools_bytes=args.max_tools_bytes,
     )

@@ -81,6 +81,25 @@ BACKENDS = ("embedded", "sglang", "upstream")
 UPSTREAM_PROTOCOLS = ("deepseek", "openai-chat", "openai-responses", "anthropic")
 
 
+DEFAULT_CONTEXT = 32768  # a model whose limit is not known here (upstream mode)
+
+
+def model_context_limit(model: str) -> Optional[int]:
+    """max_position_embeddings of a preset, or of a local folder's config.json;
+    None when neither says."""
+    if model in PRESETS:
+        return PRESETS[model].max_position_embeddings
+    import json
+    from pathlib import Path
+
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = raw.get("max_position_embeddings") if isinstance(raw, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Everything the runtime needs to build its engine, tree and pools."""
@@ -94,7 +113,11 @@ class RuntimeConfig:
     # Host-tier capacity for offloaded KV; None: 4x pool_tokens, at most a
     # quarter of host memory. Allocated once (pinned on CUDA).
     host_pool_tokens: Optional[int] = None
-    max_context: int = 32768
+    # The longest sequence a step may reach; None: the model's own limit
+    # (max_position_embeddings of the preset or folder; what a given SGLang
+    # server derives, when smaller). A larger value than the model's is refused.
+    max_context: Optional[int] = None
+    context_from_model: bool = False  # set when max_context was left out (a server's smaller limit may lower it)
     # The most tokens one step may generate (a request asking more is refused);
     # None: the context. Never more than the context.
     max_tokens_limit: Optional[int] = None
@@ -125,6 +148,10 @@ class RuntimeConfig:
     router_url: Optional[str] = None
     sglang_args: tuple[str, ...] = ()  # extra flags for a launched SGLang server
     sglang_max_running: int = 32  # --max-running-requests of a launched server
+    # SGLang's --api-key: sent with every request and command; passed to a
+    # launched server. None: SGLANG_API_KEY from the environment, if set.
+    sglang_api_key: Optional[str] = None
+    tp_size: int = 1  # tensor-parallel ranks of a launched server (a given one's are read from it)
     request_deadline_s: float = 600.0  # a step still running after this fails (408) and changes nothing; 0: none
     max_conversations_per_tenant: int = 10000  # a tenant's conversations the server keeps; 0: no limit
     max_tenant_bytes: int = 1 << 30  # bytes of conversations (as stored) a tenant may hold; 0: no limit
@@ -150,6 +177,15 @@ class RuntimeConfig:
     keep_tool_turn_reasoning: bool = False
 
     def __post_init__(self) -> None:
+        limit = model_context_limit(self.model)
+        if self.max_context is None:
+            object.__setattr__(self, "max_context", limit or DEFAULT_CONTEXT)
+            object.__setattr__(self, "context_from_model", True)
+        elif self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+        elif limit is not None and self.max_context > limit:
+            raise ValueError(f"max_context {self.max_context} is larger than the model's own limit of {limit} "
+                             f"tokens (max_position_embeddings of {self.model!r}); leave it out to use {limit}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.pool_tokens < self.page_size:
@@ -188,6 +224,8 @@ class RuntimeConfig:
             raise ValueError("sglang_url needs backend 'sglang'")
         if self.workers is not None and (self.workers < 0 or self.backend != "sglang"):
             raise ValueError("workers must be >= 0, with backend 'sglang'")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.workers == 0 and not self.sglang_urls:
             raise ValueError("workers 0 needs sglang_url: there would be no server")
         if self.router_url is not None and self.backend != "sglang":
@@ -201,6 +239,13 @@ class RuntimeConfig:
                              f"got {self.max_tokens_limit}")
         if self.host_pool_tokens is not None and self.host_pool_tokens < 0:
             raise ValueError(f"host_pool_tokens must be >= 0, got {self.host_pool_tokens}")
+
+    @property
+    def sglang_key(self) -> Optional[str]:
+        """The API key for SGLang's servers: sglang_api_key, else SGLANG_API_KEY."""
+        import os
+
+        return self.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None
 
     @property
     def sglang_urls(self) -> list[str]:

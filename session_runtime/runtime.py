@@ -18,10 +18,10 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from radix_ext.tree import Namespace
+from radix_ext.tree import Namespace, ProbeResult
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
-from session_runtime.backends.base import Cancellation, StepRequest, StepResult, Transcript, create_backend
+from session_runtime.backends.base import Cancellation, ChainState, StepRequest, StepResult, Transcript, create_backend
 from session_runtime.errors import (BackendUnavailable, TenantStorageFull, ContextTooLong, ShuttingDown, StorageUnavailable, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
 from session_runtime.materializer import Materializer
@@ -560,8 +560,11 @@ class Runtime(RuntimeInspection):
             rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
             history_len = len(tpl.render(conv.system, conv.tools, conv.history, keep, False).ids) if conv.history else 0
             # No KV here in upstream mode: nothing local to weigh keep against drop by.
-            counterfactual = self._counterfactual(conv, tpl, ns, new) if first and not self.backend.wants_transcript \
-                else None
+            probe_prompts = self._counterfactual_prompts(conv, tpl, new) \
+                if first and not self.backend.wants_transcript else None
+            in_step = probe_prompts is not None and self.backend.route(conv.id).probes_in_step
+            counterfactual = None if probe_prompts is None or in_step else \
+                self._counterfactual(conv, probe_prompts, self.backend.route(conv.id).probe_many(ns, probe_prompts))
             self.backend.reload(conv.id, ns, rendered.ids)  # host tier -> device, outside the engine lock
             transcript = None
             if self.backend.wants_transcript:  # upstream mode: the provider answers from the messages
@@ -572,8 +575,12 @@ class Runtime(RuntimeInspection):
                     forced=forced_ids, history_len=history_len,
                     cache_output=conv.policy.caches_output, hold_chain=conv.policy.holds_chain,
                     on_token=on_token, cancel=cancel, transcript=transcript,
+                    probe_prompts=probe_prompts if in_step else (),
                 )
             )
+            if in_step:  # probed by the step itself, on the tree as it was before it
+                probes = result.probes if result.probes is not None else [ProbeResult(0, 0)] * len(probe_prompts)
+                counterfactual = self._counterfactual(conv, probe_prompts, probes)
         except BaseException:
             # A failed request changes nothing: the tool wait goes on as it was,
             # and a canonical branch this request cancelled is scheduled again.
@@ -606,14 +613,18 @@ class Runtime(RuntimeInspection):
             raise StorageUnavailable(f"the step could not be saved, so it did not happen: {exc}") from exc
         return step
 
-    def _counterfactual(self, conv: Conversation, tpl: Template, ns: Namespace, new: list[Message]) -> dict:
-        """Keep vs drop for this turn's prompt, probed on the tree as it is now."""
+    _RULES = ("keep", "drop")
+
+    def _counterfactual_prompts(self, conv: Conversation, tpl: Template, new: list[Message]) -> list[list[int]]:
+        """This turn's prompt as keep and as drop would render it."""
         generated = [e.message for e in conv.trace] + new
-        rules = (("keep", turn_rules.keep_all), ("drop", turn_rules.keep_from(new[0].turn)))
-        prompts = [tpl.render(conv.system, conv.tools, generated, keep, True).ids for _, keep in rules]
-        probes = self.backend.route(conv.id).probe_many(ns, prompts)
+        rules = (turn_rules.keep_all, turn_rules.keep_from(new[0].turn))
+        return [tpl.render(conv.system, conv.tools, generated, keep, True).ids for keep in rules]
+
+    def _counterfactual(self, conv: Conversation, prompts: list[list[int]], probes) -> dict:
+        """Keep vs drop for this turn's prompt, from probes of the tree as it was before the step."""
         return {name: turn_rules.counterfactual_entry(prompt, probe, conv.shadows.get(name, ()))
-                for (name, _), prompt, probe in zip(rules, prompts, probes)}
+                for name, prompt, probe in zip(self._RULES, prompts, probes)}
 
     def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual) -> Step:
         """Record a successful step in every layer, then close the turn if it ended."""
@@ -647,10 +658,9 @@ class Runtime(RuntimeInspection):
             finish = "tool_calls"
         else:
             conv.protocol = None
-            acc = self._close_turn(conv, tpl, ns, record, prompt + list(result.output), acc, parsed)
+            acc = self._close_turn(conv, tpl, ns, record, prompt + list(result.output), acc, result.chain)
             if conv.policy.holds_chain:
                 self.offload.idle_started(conv.id)
-                self.backend.mark_idle(conv.id, self.config.idle_ttl_s)
             finish = result.finish_reason
         record.steps.append(acc)
         return Step(
@@ -661,10 +671,13 @@ class Runtime(RuntimeInspection):
             reasoning_tokens=len(result.output) - len(parsed.answer_ids) - int(parsed.ended),
         )
 
-    def _close_turn(self, conv, tpl, ns, record: TurnRecord, generated: list[int], acc, parsed):
+    def _close_turn(self, conv, tpl, ns, record: TurnRecord, generated: list[int], acc,
+                    chain: Optional[ChainState]):
         """Apply the reasoning policy to the closed turn: rebuild the canonical
-        history, find the fork, hold the chain at the fork and maybe schedule the
-        canonical branch. Returns the step's accounting with the real next context."""
+        history, find the fork, hold the chain at the fork and mark it idle (one
+        backend call), and maybe schedule the canonical branch. Returns the
+        step's accounting with the real next context. `chain`: the chain as the
+        step's own answer reported it, if it did."""
         record.closed = True
         self.backend.drop_host_copy(conv.id)  # the tool chain's copy will not be reloaded
         keep = conv.policy.kept_turns(conv.closed_turns)
@@ -679,41 +692,41 @@ class Runtime(RuntimeInspection):
         record.fork_tokens = fork
         acc = dataclasses.replace(acc, active_context_length=len(canonical))
         materialize: Optional[bool] = None  # this turn's real decision, when one is made
-        if fork >= len(generated):
-            conv.canonical_kind = "generated"  # nothing dropped: the chain is canonical
-        else:
-            conv.canonical_kind = "prefix"
-        if fork < len(generated) and conv.policy.holds_chain:
+        conv.canonical_kind = "generated" if fork >= len(generated) else "prefix"  # generated: nothing dropped
+        forks = fork < len(generated) and conv.policy.holds_chain
+        if conv.policy.holds_chain:
             # A's KV was computed after R: past the fork nothing may be reused. Hold
             # the shared prefix (its partial page copied); a dropping policy frees
             # the generated branch at once, where no other chain or step holds it.
             try:
-                self.backend.lock_prefix(conv.id, ns, canonical[:fork], free_branch=conv.policy.may_materialize)
-                held = True
+                chain = self.backend.close_turn(conv.id, ns, canonical[:fork] if forks else None,
+                                                free_branch=conv.policy.may_materialize,
+                                                idle_ttl_s=self.config.idle_ttl_s)
             except BackendUnavailable as exc:
                 # The chain's worker went down after the step finished: there is no
                 # chain to hold there now. The step stands; the conversation moves
                 # and its next step prefills its history elsewhere (recomputed).
-                held = False
+                chain, forks = ChainState(0, 0, 0.0), False
                 record.materialize = f"skipped: the chain's worker is gone ({exc})"
-            if held and conv.policy.may_materialize:
-                materialize, why = conv.materialize.decide(
-                    reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
-                    answer_tokens=len(canonical) - fork,
-                    free_fraction=self.backend.free_fraction,
-                    idle=self.materializer.waiting_users == 0,  # this request has already left
-                )
-                record.materialize = ("scheduled: " if materialize else "skipped: ") + why
-                if materialize:
-                    self.materializer.submit(conv.id, canonical, ns)
+        free = (lambda: chain.free_fraction) if chain is not None else self.backend.free_fraction
+        if forks and conv.policy.may_materialize:
+            materialize, why = conv.materialize.decide(
+                reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
+                answer_tokens=len(canonical) - fork,
+                free_fraction=free,
+                idle=self.materializer.waiting_users == 0,  # this request has already left
+            )
+            record.materialize = ("scheduled: " if materialize else "skipped: ") + why
+            if materialize:
+                self.materializer.submit(conv.id, canonical, ns)
         # Under drop the shadow of drop is this very chain: the same decision, not a second one.
         # A sampled step's last token was never fed (it has no KV), under either policy.
         unfed = min(max(0, len(generated) - len(conv.chain_tokens)), len(conv.trace[-1].message.output_ids))
-        self._shadow(conv, tpl, record, materialize if conv.policy.name == "drop" else None, unfed)
-        return self._chain_bytes(conv, acc)
+        self._shadow(conv, tpl, record, materialize if conv.policy.name == "drop" else None, unfed, free)
+        return self._chain_bytes(conv, acc, chain)
 
     def _shadow(self, conv: Conversation, tpl: Template, record: TurnRecord,
-                drop_materializes: Optional[bool] = None, unfed: int = 0) -> None:
+                drop_materializes: Optional[bool] = None, unfed: int = 0, free_fraction=None) -> None:
         """Set `conv.shadows`: the chains (token ids, no KV) that the keep and drop
         policies would hold now that turn `record.index` closed, had the
         conversation run under each from its first turn, so that the next turn's
@@ -742,16 +755,17 @@ class Runtime(RuntimeInspection):
         if drop_materializes is None and fork < len(drop_generated):
             drop_materializes, _ = conv.materialize.decide(
                 reasoning_tokens=len(drop_generated) - len(canonical), answer_tokens=len(canonical) - fork,
-                free_fraction=self.backend.free_fraction, idle=self.materializer.waiting_users == 0)
+                free_fraction=free_fraction or self.backend.free_fraction, idle=self.materializer.waiting_users == 0)
         conv.shadows = {"keep": keep_chain, "drop": canonical if drop_materializes else canonical[:fork]}
 
-    def _chain_bytes(self, conv: Conversation, acc):
+    def _chain_bytes(self, conv: Conversation, acc, chain: Optional[ChainState]):
         """The step's KV figures as the closed turn left the chain."""
         if not conv.policy.holds_chain:
             return acc  # nothing is held: the figures are what the step inserted
-        return dataclasses.replace(
-            acc, kv_device_bytes=self.backend.chain_tokens(conv.id) * self.backend.bytes_per_token,
-            kv_host_bytes=self.backend.host_bytes(conv.id))
+        if chain is None:
+            chain = ChainState(self.backend.chain_tokens(conv.id), self.backend.host_bytes(conv.id), 0.0)
+        return dataclasses.replace(acc, kv_device_bytes=chain.tokens * self.backend.bytes_per_token,
+                                   kv_host_bytes=chain.host_bytes)
 
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up, and every chain has a conversation."""

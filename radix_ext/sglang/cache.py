@@ -34,8 +34,9 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-from radix_ext.sglang.control import BadCommand, ControlServer, StaleCommand, control_address
-from radix_ext.sglang.hints import intent_of
+from radix_ext.sglang.control import BadCommand, StaleCommand, answer
+from radix_ext.sglang.hints import command_of, has_chain_action, intent_of
+from radix_ext.sglang.report import Reports, attach
 from radix_ext.sglang.idle import IdleChains, short
 from radix_ext.sglang.offload import SchedulerHostTier
 from radix_ext.tails import common_length, page_of
@@ -47,15 +48,56 @@ BACKEND_NAME = "session"
 
 
 class SchedulerSessionCache(SessionRadixCache):
-    """The tree SGLang's scheduler uses, with conversations' chains and a control channel."""
+    """The tree SGLang's scheduler uses, with conversations' chains, and the
+    commands and per-request reports that reach it through SGLang's requests."""
 
-    def __init__(self, params: CacheInitParams, control_addr: Optional[str] = None):
+    def __init__(self, params: CacheInitParams):
         super().__init__(params)
         self._offers: dict[str, str] = {}  # owner -> rid of the request its private page is offered to
         self._kept: dict[int, tuple[int, Any]] = {}  # id(req.kv) -> (position, tail) kept at finish
         self.idle = IdleChains()
         self.offload = SchedulerHostTier()
-        self.control = ControlServer(control_addr, self.handlers()) if control_addr else None
+        self.reports = Reports()  # rid -> what intake found for it (a command's answer, a step's probes)
+        self.commands = self.handlers()
+
+    # ----- intake (the plugin's hook, every rank, between batches) --------------
+
+    def intake(self, scheduler: Any, recv_reqs) -> None:
+        """Before the scheduler processes what it received (every rank receives
+        the same list): answer the commands, and run the steps' pre-actions
+        (counterfactual probes, promotion from the host, the logical probe) on
+        the tree as it is now. The answers wait for their requests' release."""
+        for recv in recv_reqs or ():
+            for req in getattr(recv, "batch", None) or (recv,):
+                hints = getattr(req, "kv_hints", None)
+                if hints is None or getattr(req, "rid", None) is None:
+                    continue
+                cmd = command_of(hints)
+                if cmd is not None:
+                    self.reports.put(req.rid, answer(self.commands, cmd[0], cmd[1], scheduler))
+                    continue
+                owner, intent = getattr(req, "session_id", None), intent_of(hints)
+                if owner and (intent.promote or intent.probes):
+                    try:
+                        self.reports.put(req.rid, self._before(owner, intent, req))
+                    except Exception as exc:  # never into SGLang's loop: the step runs, its report says why
+                        logger.exception("pre-actions of %s failed", req.rid)
+                        self.reports.put(req.rid, {"error": f"{type(exc).__name__}: {exc}"})
+
+    def _before(self, owner: str, intent, req) -> dict:
+        ns = Namespace(getattr(req, "extra_key", None), getattr(req, "cache_salt", None) or None)
+        ids = list(req.input_ids or ())
+        probes = []
+        for shared, tail in intent.probes:
+            tokens = ids[:shared] + list(tail)
+            r = self.probe(ns.key(tokens[: max(len(tokens) - 1, 0)]))
+            probes.append([r.logical_len, r.device_len])
+        promoted = {"anchor": 0, "tokens": 0}
+        if intent.promote:
+            promoted = self._cmd_promote({"owner": owner, "tokens": ids, "share": intent.share,
+                                          "extra_key": ns.extra_key, "cache_salt": ns.cache_salt}, None)
+        logical = self.probe(ns.key(ids[: max(len(ids) - 1, 0)])).logical_len
+        return {"probes": probes, "promoted": promoted, "logical_len": logical}
 
     # ----- per-request hooks (called by SGLang's scheduler) -------------------
 
@@ -67,7 +109,8 @@ class SchedulerSessionCache(SessionRadixCache):
         owner = getattr(req, "session_id", None) if req is not None else None
         if owner:
             self.idle.active(owner)  # a request of its own is waiting: not idle
-        if not owner or self.page_size == 1 or getattr(params.key, "is_bigram", False):
+        if (not owner or self.page_size == 1 or getattr(params.key, "is_bigram", False)
+                or not has_chain_action(getattr(req, "kv_hints", None))):
             return result
         tail, node = self.tails.get(owner), result.last_device_node
         if tail is None or self.chains.get(owner) is not node or self._offers.get(owner, req.rid) != req.rid:
@@ -119,21 +162,42 @@ class SchedulerSessionCache(SessionRadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         owner = getattr(req, "session_id", None)
+        hints = getattr(req, "kv_hints", None)
+        report = self.reports.pop(getattr(req, "rid", None))
+        try:
+            self._release_request(req, owner, hints, checkpointed)
+        finally:
+            if owner and has_chain_action(hints):
+                report = {**(report or {}), **self._chain_report(owner)}
+            if report is not None:
+                attach(req, report)
+
+    def _release_request(self, req, owner: Optional[str], hints: Any, checkpointed: bool) -> None:
         kept = self._kept.pop(id(getattr(req, "kv", None)), None)
         tail = kept[1] if kept is not None else None
         if owner in self._offers and self._offers[owner] == getattr(req, "rid", None):
             del self._offers[owner]
-        if not owner or not checkpointed or req.last_node is None or _aborted(req):
+        if not owner or not checkpointed or req.last_node is None or _aborted(req) or not has_chain_action(hints):
             if tail is not None:
                 self.token_to_kv_pool_allocator.free(tail.page)
             return
-        intent = intent_of(getattr(req, "kv_hints", None))
-        if intent.hold:
+        if intent_of(hints).hold:
             # last_node is the checkpoint's tail, still in the tree: the request's
             # lock was dropped a moment ago, on this thread, with nothing between.
             self.set_chain(owner, req.last_node, tail)
         else:
             self.release_chain(owner)
+
+    def _chain_report(self, owner: str) -> dict:
+        """What a step's answer says about its chain and the pool after it."""
+        alloc = self.token_to_kv_pool_allocator
+        return {"chain_tokens": self.chain_tokens(owner), "private": owner in self.tails,
+                "host_bytes": self.offload.bytes_of(owner), "on_host": self._on_host(owner),
+                "free_fraction": (alloc.available_size() + self.evictable_size()) / max(self.capacity, 1)}
+
+    def _on_host(self, owner: str) -> bool:
+        host = self.offload.host
+        return host is not None and host.peek(owner) is not None
 
     def release_chain(self, owner: str) -> None:
         super().release_chain(owner)
@@ -162,7 +226,7 @@ class SchedulerSessionCache(SessionRadixCache):
         # /flush_cache drops every node: the chains and private pages go with
         # them (the allocator is cleared right after).
         super().reset()
-        for name in ("chains", "tails", "_offers", "_kept"):
+        for name in ("chains", "tails", "_offers", "_kept", "reports"):
             if hasattr(self, name):
                 getattr(self, name).clear()
         if hasattr(self, "offload"):
@@ -176,14 +240,14 @@ class SchedulerSessionCache(SessionRadixCache):
             "probe_many": self._cmd_probe_many,
             "hold_prefix": self._cmd_hold_prefix, "release": self._cmd_release, "idle": self._cmd_idle,
             "wait": self._cmd_wait, "demote": self._cmd_demote, "promote": self._cmd_promote, "host": self._cmd_host,
-            "snapshot": self._cmd_snapshot, "check": self._cmd_check,
+            "snapshot": self._cmd_snapshot, "check": self._cmd_check, "close": self._cmd_close,
         }
 
     def _cmd_ping(self, args: dict, scheduler: Any) -> dict:
         import sglang
 
         return {"backend": BACKEND_NAME, "page_size": self.page_size, "capacity": self.capacity,
-                "sglang": sglang.__version__}
+                "sglang": sglang.__version__, "tp_size": getattr(scheduler, "tp_size", 1) or 1}
 
     def _cmd_pools(self, args: dict, scheduler: Any) -> dict:
         return {
@@ -224,14 +288,35 @@ class SchedulerSessionCache(SessionRadixCache):
         (retired after `ttl_s`, 0 = only under pressure; `relieve`). With
         `host_tokens`, the host tier it may be demoted to is allocated."""
         owner = _owner(args)
-        ttl = args.get("ttl_s", 0)
-        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl < 0:
-            raise BadCommand("ttl_s must be a number >= 0")
+        ttl = _ttl(args)
         if "host_tokens" in args:
             self.offload.ensure(self, _host_tokens(args))
         if owner in self.chains:
             self.idle.mark(owner, float(ttl))
         return {"idle": owner in self.idle.since}
+
+    def _cmd_close(self, args: dict, scheduler: Any) -> dict:
+        """A turn closed: hold the owner's chain at its fork (`tokens`, when
+        given; `free_branch` as hold_prefix), mark it idle (`ttl_s`, when given),
+        and report the chain and the pool: one command for the whole close."""
+        owner = _owner(args)
+        free_branch = args.get("free_branch", False)
+        if not isinstance(free_branch, bool):
+            raise BadCommand("free_branch must be a boolean")
+        key = _key(args) if "tokens" in args else None
+        idle = {k: args[k] for k in ("ttl_s", "host_tokens") if k in args}
+        if "ttl_s" in args:
+            _ttl(args)
+        if "host_tokens" in args:
+            _host_tokens(args)
+        if key is not None:  # everything checked: now change the tree
+            self._offers.pop(owner, None)
+            self.hold_prefix(owner, key, free_branch=free_branch)
+        if "ttl_s" in idle:
+            self._cmd_idle({"owner": owner, **idle}, scheduler)
+        report = self._chain_report(owner)
+        return {"tokens": report["chain_tokens"], "host_bytes": report["host_bytes"],
+                "free_fraction": report["free_fraction"]}
 
     def _cmd_wait(self, args: dict, scheduler: Any) -> dict:
         """The owner waits for tools: pressure may demote it (allocates the host
@@ -295,7 +380,23 @@ class SchedulerSessionCache(SessionRadixCache):
         self.check_integrity(in_flight_tokens=0 if idle else None, in_flight_locks=0 if idle else None)
         if self.offload.host is not None:
             self.offload.host.check()
-        return {"checked": "full" if idle else "tree", "chains": len(self.chains)}
+        digest = self.digest()
+        ranks = same_on_every_rank(scheduler, digest)
+        return {"checked": "full" if idle else "tree", "chains": len(self.chains), "ranks": ranks,
+                "digest": digest}
+
+    def digest(self) -> str:
+        """A hash of the tree's shape, chains and private pages (not of slot
+        numbers, which differ between ranks)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for n in self.snapshot(preview=list, preview_tokens=8):
+            h.update(repr((n.depth_tokens, n.tokens, n.preview, sorted(n.owners), n.lock_count, n.residency,
+                           n.namespace, n.cache_salt)).encode())
+        for owner in sorted(self.chains):
+            h.update(repr((owner, self.chain_tokens(owner))).encode())
+        return h.hexdigest()[:16]
 
     def _check_expected(self, owner: str, args: dict) -> None:
         expect = args.get("expect_tokens")
@@ -313,6 +414,13 @@ def _owner(args: dict) -> str:
     if not isinstance(owner, str) or not owner:
         raise BadCommand("owner must be a non-empty string")
     return owner
+
+
+def _ttl(args: dict) -> float:
+    ttl = args.get("ttl_s", 0)
+    if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl < 0:
+        raise BadCommand("ttl_s must be a number >= 0")
+    return ttl
 
 
 def _host_tokens(args: dict) -> int:
@@ -338,15 +446,14 @@ def _aborted(req) -> bool:
 
 
 def _running(scheduler: Any) -> int:
-    """Requests the scheduler holds: waiting, running or in its last batch."""
+    """Requests the scheduler holds: waiting, running or in its last batch
+    (command requests aside: they hold nothing of the tree)."""
     if scheduler is None:
         return 0
-    running = getattr(scheduler, "running_batch", None)
-    count = len(getattr(scheduler, "waiting_queue", ()) or ())
-    count += len(getattr(running, "reqs", ()) or ()) if running is not None else 0
-    last = getattr(scheduler, "last_batch", None)
-    count += len(getattr(last, "reqs", ()) or ()) if last is not None else 0
-    return count
+    reqs = list(getattr(scheduler, "waiting_queue", ()) or ())
+    for batch in (getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None)):
+        reqs += list(getattr(batch, "reqs", ()) or ()) if batch is not None else []
+    return sum(1 for r in reqs if command_of(getattr(r, "kv_hints", None)) is None)
 
 
 def build(ctx) -> SchedulerSessionCache:
@@ -361,11 +468,26 @@ def build(ctx) -> SchedulerSessionCache:
         raise ValueError("--radix-cache-backend session does not combine with --enable-hierarchical-cache")
     if ctx.disable_radix_cache:
         raise ValueError("--radix-cache-backend session needs the radix cache (drop --disable-radix-cache)")
-    if ctx.tp_size > 1:
-        raise ValueError("--radix-cache-backend session runs with --tp-size 1 for now")
     args = ctx.server_args
-    addr = control_address(args.host or "127.0.0.1", args.port)
-    cache = SchedulerSessionCache(ctx.params, control_addr=addr)
-    logger.info("session radix cache: page size %d, eviction %s, control channel %s",
-                cache.page_size, ctx.params.eviction_policy, addr)
+    if getattr(args, "dp_size", 1) > 1:
+        raise ValueError("--radix-cache-backend session does not serve --dp-size > 1 yet: a command must reach "
+                         "every rank, and SGLang routes a request to one data-parallel rank")
+    cache = SchedulerSessionCache(ctx.params)
+    logger.info("session radix cache: page size %d, eviction %s, tp size %d; commands ride requests",
+                cache.page_size, ctx.params.eviction_policy, ctx.tp_size)
     return cache
+
+
+def same_on_every_rank(scheduler: Any, digest: str) -> int:
+    """The number of tensor-parallel ranks; AssertionError when their trees'
+    digests differ. Every rank runs a command in the same iteration (intake),
+    so a collective over the scheduler's TP CPU group is safe here."""
+    group, size = getattr(scheduler, "tp_cpu_group", None), getattr(scheduler, "tp_size", 1) or 1
+    if group is None or size <= 1:
+        return 1
+    import torch.distributed as dist
+
+    digests: list = [None] * size
+    dist.all_gather_object(digests, digest, group=group)
+    assert len(set(digests)) == 1, f"the ranks' trees differ: digests {digests}"
+    return size

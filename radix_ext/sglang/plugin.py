@@ -1,15 +1,19 @@
 """Entry point of `sglang.srt.plugins`: registers the `session` radix-cache
-backend and the hook that serves its control channel.
+backend, the hook through which it sees each request at intake, and the one
+that makes its per-request report a request-level `meta_info` key.
 
 SGLang calls `register()` with no arguments in every process, before the tree
-cache is built. The hook runs before `Scheduler.process_input_requests`,
+cache is built. The intake hook runs before `Scheduler.process_input_requests`,
 which both event loops (normal and overlap) call once per iteration, between
-batches, on the scheduler's own thread.
+batches, on the scheduler's own thread, with the requests just received (the
+same list on every tensor-parallel rank).
 """
 
 from __future__ import annotations
 
 HOOK_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
+REPORT_HOOK_TARGET = ("sglang.srt.managers.scheduler_components.output_streamer."
+                      "SchedulerOutputStreamer.is_request_level_customized_info_key")
 
 
 def register() -> None:
@@ -17,18 +21,20 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from radix_ext.sglang.cache import BACKEND_NAME, build
+    from radix_ext.sglang.report import is_request_level
 
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build)
-        HookRegistry.register(HOOK_TARGET, serve_control, HookType.BEFORE)
+        HookRegistry.register(HOOK_TARGET, intake, HookType.BEFORE)
+        HookRegistry.register(REPORT_HOOK_TARGET, is_request_level, HookType.AROUND)
 
 
-def serve_control(scheduler, *args, **kwargs):
-    """BEFORE hook: answer the control channel's waiting commands and retire
-    idle chains that are due, then let the scheduler process its inputs."""
+def intake(scheduler, recv_reqs=None, *args, **kwargs):
+    """BEFORE hook: answer the commands among the received requests, run the
+    steps' pre-actions, retire idle chains that are due, then let the
+    scheduler process its inputs."""
     cache = getattr(scheduler, "tree_cache", None)
-    control = getattr(cache, "control", None)
-    if control is not None:
-        control.serve(scheduler)
+    if hasattr(cache, "intake"):
+        cache.intake(scheduler, recv_reqs)
         cache.relieve(scheduler)  # tool waits and idle chains, under pressure or past their TTL
     return None

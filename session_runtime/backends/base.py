@@ -84,6 +84,7 @@ class StepRequest:
     background: bool = False  # idle-time work (a canonical branch): ranks below user steps
     cancel: Optional[Cancellation] = None  # checked between tokens
     transcript: Optional[Transcript] = None  # backends that answer from messages (wants_transcript)
+    probe_prompts: Sequence[Sequence[int]] = ()  # probed on the tree before the step (probes_in_step backends)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,15 @@ class StepTiming:
     total_ms: float
     model_ms: float  # decoder forwards and sampling
     session_ms: float  # tree match, probe, insert, lock moves, bookkeeping
+
+
+@dataclass(frozen=True)
+class ChainState:
+    """The owner's chain and the pool, as a step or a turn's close left them."""
+
+    tokens: int
+    host_bytes: int
+    free_fraction: float
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,8 @@ class StepResult:
     logits: Optional[object] = None  # [computed positions, vocab] when return_logits (embedded)
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per output token: (id, logprob), best first
     wire: Optional[WireReply] = None  # upstream proxy mode
+    probes: Optional[list[ProbeResult]] = None  # of StepRequest.probe_prompts, before the step (probes_in_step)
+    chain: Optional[ChainState] = None  # the owner's chain after the step, when the backend reports it
 
 
 class Backend(ABC):
@@ -118,6 +130,7 @@ class Backend(ABC):
     bytes_per_token: int
     capacity: int  # device KV slots
     supports_offload: bool = False  # tool-wait offload to a host tier
+    probes_in_step: bool = False  # `step` probes StepRequest.probe_prompts itself, before the step
     wants_transcript: bool = False  # steps carry the conversation's messages (upstream proxy mode)
 
     @abstractmethod
@@ -152,6 +165,17 @@ class Backend(ABC):
         pages, plus the fork's partial page copied where the backend can. The
         branch past it is no longer held; with `free_branch` it is freed at once
         where no other chain or request holds it. Returns the chain's new length."""
+
+    def close_turn(self, owner: str, namespace: Namespace, fork: Optional[Sequence[int]], free_branch: bool,
+                   idle_ttl_s: Optional[float]) -> ChainState:
+        """A turn closed: hold the chain at `fork` (None: leave it), mark it idle
+        (None: do not), and say what the chain and the pool hold now. One call;
+        a backend behind a network makes it one round trip."""
+        if fork is not None:
+            self.lock_prefix(owner, namespace, fork, free_branch=free_branch)
+        if idle_ttl_s is not None:
+            self.mark_idle(owner, idle_ttl_s)
+        return ChainState(self.chain_tokens(owner), self.host_bytes(owner), self.free_fraction())
 
     def mark_idle(self, owner: str, ttl_s: float) -> None:
         """The owner's turn closed: its chain may leave the device after `ttl_s`

@@ -43,7 +43,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default=d.dtype)
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--pool-tokens", type=int, default=d.pool_tokens)
-    parser.add_argument("--max-context", type=int, default=d.max_context)
+    parser.add_argument("--max-context", type=int, default=None, help="default: the model's own limit")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--json", metavar="PATH", help="also write every run's per-step accounting as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

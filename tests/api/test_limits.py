@@ -135,7 +135,7 @@ def test_the_limit_defaults_to_the_context_and_never_passes_it(capsys):
     for bad in (0, MAX_CONTEXT + 1):
         with pytest.raises(ValueError, match=rf"max_tokens_limit must be between 1 and max_context \(512\), got {bad}"):
             RuntimeConfig(max_context=MAX_CONTEXT, max_tokens_limit=bad)
-    for flags, message in ((["--max-tokens-limit", "40000"], "max_tokens_limit must be between 1 and max_context"),
+    for flags, message in ((["--max-tokens-limit", "50000"], "max_tokens_limit must be between 1 and max_context"),
                            (["--max-body-bytes", "0"], "max_body_bytes must be >= 1, got 0")):
         assert main(["serve", *flags]) == 2
         assert message in capsys.readouterr().err

@@ -1,11 +1,12 @@
 """The SGLang-facing pieces without a server: the platform switch, the
 kv_hints intent, the backend factory's refusals, the scheduler-side chain
-hooks and the control channel, on a SchedulerSessionCache over real pools.
-(The same code inside SGLang's real server: tests/backends/.)"""
+hooks and the commands (through intake, release and the report, as a request
+carries them), on a SchedulerSessionCache over real pools. (The same code
+inside SGLang's real server: tests/backends/.)"""
 
 from __future__ import annotations
 
-import socket
+import itertools
 import threading
 from importlib.metadata import entry_points
 from types import SimpleNamespace
@@ -15,8 +16,9 @@ import torch
 
 from radix_ext.pools import PoolSpec, build_pools
 from radix_ext.sglang import platform
-from radix_ext.sglang.control import BadCommand, Command, ControlClient, ControlError, StaleCommand
-from radix_ext.sglang.hints import ACTION_TYPE, ChainIntent, intent_of
+from radix_ext.sglang.control import BadCommand, ChannelDown, ControlError, StaleCommand, result_of
+from radix_ext.sglang.hints import ACTION_TYPE, ACTION_VERSION, NO_HOLD, ChainIntent, command_envelope, intent_of
+from radix_ext.sglang.report import REPORT_KEY, REPORT_TOKENS_KEY, attach, report_of
 
 PAGE = 4
 
@@ -52,7 +54,7 @@ def test_platform_class_is_sglangs_oot_cpu_platform():
     assert (args.attention_backend, args.sampling_backend) == ("torch_native", "pytorch")
 
 
-def _envelope(payload, version="1", action_type=ACTION_TYPE):
+def _envelope(payload, version=ACTION_VERSION, action_type=ACTION_TYPE):
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 
     env = ChainIntent().envelope("m")
@@ -63,21 +65,24 @@ def _envelope(payload, version="1", action_type=ACTION_TYPE):
 def test_intent_round_trips_through_sglangs_envelope():
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 
-    for intent in (ChainIntent(), ChainIntent(hold=False), ChainIntent(cache_limit=40)):
+    for intent in (ChainIntent(), ChainIntent(hold=False), ChainIntent(cache_limit=40),
+                   ChainIntent(promote=True, share=True, probes=((3, (7, 8)), (0, ())))):
         assert intent_of(decode_kv_hints_envelope(intent.envelope("m1"))) == intent
-    assert intent_of(None) == ChainIntent()
+    assert intent_of(None) == NO_HOLD  # a session_id without our hints holds nothing
 
 
 @pytest.mark.parametrize("payload,version,action_type", [
-    ({"hold": "yes"}, "1", ACTION_TYPE),       # wrong type
-    ({"hold": False, "extra": 1}, "1", ACTION_TYPE),  # unknown field
-    ({"cache_limit": -1}, "1", ACTION_TYPE),   # negative limit
-    ({"cache_limit": True}, "1", ACTION_TYPE),  # a bool is not a count
-    ({"hold": False}, "2", ACTION_TYPE),       # unknown version
-    ({"hold": False}, "1", "someone.else"),    # not ours: ignored
+    ({"hold": "yes"}, ACTION_VERSION, ACTION_TYPE),       # wrong type
+    ({"hold": False, "extra": 1}, ACTION_VERSION, ACTION_TYPE),  # unknown field
+    ({"cache_limit": -1}, ACTION_VERSION, ACTION_TYPE),   # negative limit
+    ({"cache_limit": True}, ACTION_VERSION, ACTION_TYPE),  # a bool is not a count
+    ({"probes": [[1]]}, ACTION_VERSION, ACTION_TYPE),      # a probe is [shared, tail]
+    ({"probes": [[0, [1]]] * 5}, ACTION_VERSION, ACTION_TYPE),  # at most 4 probes
+    ({"hold": False}, "1", ACTION_TYPE),       # an older version
+    ({"hold": False}, ACTION_VERSION, "someone.else"),    # not ours: ignored
 ])
-def test_malformed_or_foreign_intent_falls_back_to_the_default(payload, version, action_type):
-    assert intent_of(_envelope(payload, version, action_type)) == ChainIntent()
+def test_malformed_or_foreign_intent_holds_nothing(payload, version, action_type):
+    assert intent_of(_envelope(payload, version, action_type)) == NO_HOLD
 
 
 @pytest.mark.parametrize("flag,message", [
@@ -88,58 +93,77 @@ def test_factory_refuses_what_it_cannot_serve(flag, message):
     from radix_ext.sglang.cache import build
 
     ctx = SimpleNamespace(is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False, enable_hierarchical_cache=False,
-                          disable_radix_cache=False, tp_size=1)
+                          disable_radix_cache=False, tp_size=1, server_args=SimpleNamespace(dp_size=1))
     setattr(ctx, flag, True)
     with pytest.raises(ValueError, match=message):
         build(ctx)
 
 
-def test_command_decoding_refuses_malformed_messages():
-    assert Command.decode(Command("ping", {}).encode()) == Command("ping", {})
-    for raw in (b"not json", b"[1]", b'{"v": 2, "cmd": "ping"}', b'{"v": 1, "cmd": 3}', b'{"v": 1, "cmd": "x", "args": []}'):
-        with pytest.raises(BadCommand):
-            Command.decode(raw)
+def test_factory_refuses_data_parallel_ranks():
+    from radix_ext.sglang.cache import build
+
+    ctx = SimpleNamespace(is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False, enable_hierarchical_cache=False,
+                          disable_radix_cache=False, tp_size=2, server_args=SimpleNamespace(dp_size=2))
+    with pytest.raises(ValueError, match="--dp-size > 1"):
+        build(ctx)
+
+
+def test_reports_ride_customized_info_once_or_on_the_last_token():
+    prefill_only = SimpleNamespace(output_ids=[], customized_info=None)
+    attach(prefill_only, {"x": 1})
+    assert prefill_only.customized_info == {REPORT_KEY: [{"x": 1}]}
+    sampled = SimpleNamespace(output_ids=[5, 6, 7], customized_info={"other": [1, 2, 3]})
+    attach(sampled, {"x": 2})
+    assert sampled.customized_info[REPORT_TOKENS_KEY] == [{"x": 2}] * 3 and sampled.customized_info["other"]
+    # meta_info as the tokenizer manager accumulates it: whatever slice came last ends with the report
+    assert report_of({REPORT_TOKENS_KEY: [None, {"x": 2}]}) == {"x": 2}
+    assert report_of({REPORT_KEY: [{"x": 1}]}) == {"x": 1} and report_of({}) is None
+    with pytest.raises(ControlError, match="ProtocolError"):
+        result_of({"v": 99})
 
 
 # ----- the scheduler-side cache over real pools -----------------------------------
 
 
-def _free_addr() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+class InProcessCommands:
+    """Sends each command as SGLang delivers a command request to the tree:
+    intake (the hook before process_input_requests) on the scheduler's thread,
+    then the request's release, whose report is read back as the runtime does."""
+
+    def __init__(self, cache, scheduler, lock):
+        from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
+        self.cache, self.scheduler, self.lock, self._decode = cache, scheduler, lock, decode_kv_hints_envelope
+        self._ids = itertools.count()
+        self.served = 0
+
+    def call(self, name, **args):
+        rid = f"cmd-{next(self._ids)}"
+        hints = self._decode(command_envelope(rid, name, args))
+        req = SimpleNamespace(rid=rid, kv_hints=hints, session_id=None, input_ids=[0], output_ids=[],
+                              customized_info=None, last_node=None, finished_reason=SimpleNamespace())
+        with self.lock:
+            self.cache.intake(self.scheduler, [req])
+            self.cache.on_release(req, checkpointed=True)
+            self.served += 1
+        return result_of(report_of({REPORT_KEY: req.customized_info[REPORT_KEY]}))
 
 
 @pytest.fixture
 def served_cache():
-    """A SchedulerSessionCache whose control channel is served by a thread that
-    stands in for the scheduler loop (the only thread touching the tree)."""
+    """A SchedulerSessionCache with its commands sent the way requests bring them
+    (the lock stands for the scheduler's thread, the only one touching the tree)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from radix_ext.sglang.cache import SchedulerSessionCache
 
     pools = build_pools(PoolSpec(pool_tokens=64, page_size=PAGE, max_running=4, max_context=64, num_layers=1,
                                  num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu"))
-    addr = _free_addr()
     cache = SchedulerSessionCache(CacheInitParams(disable=False, req_to_token_pool=pools.req_to_token,
-                                                  token_to_kv_pool_allocator=pools.allocator, page_size=PAGE),
-                                  control_addr=addr)
+                                                  token_to_kv_pool_allocator=pools.allocator, page_size=PAGE))
     scheduler = SimpleNamespace(waiting_queue=[], running_batch=None, last_batch=None, idle_sleeper=None)
-    stop = threading.Event()
-    lock = threading.Lock()  # held while the "scheduler" runs a command or a request hook
-
-    def loop():
-        while not stop.is_set():
-            with lock:
-                cache.control.serve(scheduler)
-            stop.wait(0.002)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    yield cache, ControlClient(addr, timeout_s=10), pools, lock
-    stop.set()
-    thread.join(timeout=5)
-    cache.control.close()
+    lock = threading.Lock()
+    yield cache, InProcessCommands(cache, scheduler, lock), pools, lock
 
 
 def _finish(cache, pools, lock, owner, tokens, intent=ChainIntent(), aborted=False):
@@ -180,7 +204,8 @@ def test_finished_request_moves_the_chain_and_control_reads_it(served_cache):
     assert client.call("probe", tokens=list(range(1, 11))) == {"logical_len": 10, "device_len": 8}
     assert client.call("probe_many", prompts=[list(range(1, 11)), [1, 2, 3, 4, 60]]) == [
         {"logical_len": 10, "device_len": 8}, {"logical_len": 4, "device_len": 4}]
-    assert client.call("check") == {"checked": "full", "chains": 2}
+    checked = client.call("check")
+    assert (checked["checked"], checked["chains"], checked["ranks"]) == ("full", 2, 1)
     # The turn closes: the chain moves back to the fork point (its partial page
     # copied into a private one), the branch is unheld.
     assert client.call("hold_prefix", owner="a", tokens=list(range(1, 11))) == {"tokens": 10}
@@ -260,14 +285,19 @@ def test_many_threads_call_the_channel_at_once(served_cache):
         t.start()
     for t in threads:
         t.join()
-    assert errors == [] and cache.control.served >= 16 * 40
+    assert errors == [] and client.served >= 16 * 40 and len(cache.reports) == 0
 
 
-def test_a_scheduler_that_does_not_answer_is_channel_down():
-    from radix_ext.sglang.control import ChannelDown
+def test_a_server_that_cannot_be_reached_is_channel_down():
+    import socket
 
-    with pytest.raises(ChannelDown, match="no answer"):
-        ControlClient(_free_addr(), timeout_s=0.3).call("ping")
+    from session_runtime.backends.sglang.control_client import RequestControl, client
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ChannelDown, match="cannot be reached"):
+        RequestControl(f"http://127.0.0.1:{port}", client(), timeout_s=2).call("ping")
 
 
 def test_idle_chains_retire_after_their_ttl_and_under_pressure(served_cache):

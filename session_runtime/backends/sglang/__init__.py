@@ -8,12 +8,12 @@ import logging
 import os
 from pathlib import Path
 from typing import Optional
-from urllib.parse import urlparse
 
 import httpx
 
-from radix_ext.sglang.control import ControlClient, ControlError, control_address
+from radix_ext.sglang.control import ControlError
 from session_runtime.backends.sglang.backend import SGLangBackend
+from session_runtime.backends.sglang.control_client import RequestControl, client
 from session_runtime.backends.sglang.launcher import LaunchFailed, LaunchSpec, launch
 from session_runtime.errors import InvalidRequest
 
@@ -56,9 +56,12 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _server_info(url: str) -> dict:
+def _server_info(url: str, http: httpx.Client) -> dict:
     try:
-        resp = httpx.get(f"{url}/server_info", timeout=30.0)
+        resp = http.get(f"{url}/server_info", timeout=30.0)
+        if resp.status_code in (401, 403):
+            raise InvalidRequest(f"the SGLang server at {url} refused the runtime's API key (HTTP "
+                                 f"{resp.status_code}): give its --api-key as --sglang-api-key or SGLANG_API_KEY")
         resp.raise_for_status()
         return resp.json()
     except (httpx.HTTPError, ValueError) as exc:
@@ -124,6 +127,7 @@ def _worker(config, tokenizer, url, index: int, threads: Optional[int] = None) -
             dtype=config.dtype, device=config.device, context_length=config.max_context,
             max_running_requests=config.sglang_max_running, seed=config.seed, extra_args=tuple(config.sglang_args),
             log_path=str(Path(config.data_dir) / log) if config.data_dir else None, threads=threads,
+            tp_size=config.tp_size, api_key=config.sglang_key,
         )
         try:
             server = launch(spec, _ready)
@@ -139,7 +143,16 @@ def _worker(config, tokenizer, url, index: int, threads: Optional[int] = None) -
 
 
 def _connect(config, tokenizer, url: str, server) -> SGLangBackend:
-    info = _server_info(url)
+    http = client(config.sglang_key)
+    try:
+        return _check_server(config, tokenizer, url, server, http)
+    except BaseException:
+        http.close()
+        raise
+
+
+def _check_server(config, tokenizer, url: str, server, http: httpx.Client) -> SGLangBackend:
+    info = _server_info(url, http)
     if info.get("radix_cache_backend") != "session":
         raise InvalidRequest(
             f"the SGLang server at {url} runs radix-cache backend {info.get('radix_cache_backend')!r}; the runtime "
@@ -148,19 +161,24 @@ def _connect(config, tokenizer, url: str, server) -> SGLangBackend:
     if not info.get("skip_tokenizer_init"):
         logger.warning("the SGLang server at %s tokenizes text too; the runtime sends token ids only "
                        "(--skip-tokenizer-init saves its tokenizer process)", url)
-    parsed = urlparse(url)
-    control = ControlClient(control_address(parsed.hostname or "127.0.0.1", parsed.port or 80))
+    control = RequestControl(url, http)
     try:
-        ping = control.call("ping", timeout_s=30.0)
+        ping = control.call("ping", timeout_s=60.0)
     except ControlError as exc:
-        raise InvalidRequest(f"the session backend's control channel at {control.address} does not answer: "
-                             f"{exc} (set SESSION_RUNTIME_CONTROL_ADDR if the server uses another address)") from None
+        raise InvalidRequest(f"the session backend at {url} does not answer a command: {exc.message}") from None
+    tp_size = int(ping.get("tp_size") or info.get("tp_size") or 1)
+    if server is None and config.tp_size > 1 and tp_size != config.tp_size:
+        raise InvalidRequest(f"--tp-size {config.tp_size} was given, but the SGLang server at {url} runs "
+                             f"{tp_size} tensor-parallel ranks")
     folder = Path(info.get("model_path") or config.model)
     dtype = info.get("dtype") if info.get("dtype") in _ELEM else config.dtype
     bytes_per_token, vocab = _kv_shape(folder, dtype) if (folder / "config.json").is_file() else (0, 1 << 31)
     if tokenizer.vocab_size > vocab:
         raise InvalidRequest(f"tokenizer has {tokenizer.vocab_size} ids, the model only {vocab}")
-    context = min(config.max_context, int(info.get("context_length") or config.max_context))
+    derived = int(info.get("context_length") or config.max_context)
+    if config.max_context > derived and not config.context_from_model:
+        raise InvalidRequest(f"--max-context {config.max_context} is larger than the context of the SGLang server "
+                             f"at {url} ({derived} tokens); leave it out to use {derived}")
     return SGLangBackend(url, control, page_size=ping["page_size"], capacity=ping["capacity"],
-                         bytes_per_token=bytes_per_token, vocab_size=vocab, max_context=context, server=server,
-                         host_tokens=config.host_tokens(bytes_per_token))
+                         bytes_per_token=bytes_per_token, vocab_size=vocab, max_context=min(config.max_context, derived),
+                         server=server, host_tokens=config.host_tokens(bytes_per_token), tp_size=tp_size)

@@ -3,11 +3,14 @@ its scheduler holds the conversations' chains in `radix_ext`'s `session`
 radix-cache backend.
 
 A step is one `/generate` with our template's token ids, the conversation id
-as `session_id` and the chain intent in `kv_hints`; the server streams output
-ids back. Forced output (replay) is prefilled as part of the input with no new
-tokens, so its KV lands in the chain as if generated. What has no request of
-its own (a fork point, a release, a snapshot, an integrity check) goes over
-the control channel to the scheduler's thread. Requests on different
+as `session_id` and, in `kv_hints`, everything the tree does for the step (the
+counterfactual probes, promotion from the host tier, hold the new tail); the
+server streams output ids back, and the tree's report (what it probed,
+promoted and holds now) comes back in the final `meta_info`. A step makes no
+other call. Forced output (replay) is prefilled as part of the input with no
+new tokens, so its KV lands in the chain as if generated. What has no request
+of its own (a turn's fork point, a release, a snapshot, an integrity check)
+is a command request (`control_client.py`). Requests on different
 conversations run concurrently here: SGLang batches them.
 """
 
@@ -22,11 +25,13 @@ from typing import Callable, Optional, Sequence
 
 import httpx
 
-from radix_ext.sglang.control import ChannelDown, ControlClient, ControlError
+from radix_ext.sglang.control import ChannelDown, ControlError
 from radix_ext.sglang.hints import ChainIntent
+from radix_ext.sglang.report import report_of
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime.accounting import StepAccounting, attention_work
-from session_runtime.backends.base import Backend, StepRequest, StepResult, StepTiming
+from session_runtime.backends.base import Backend, ChainState, StepRequest, StepResult, StepTiming
+from session_runtime.backends.sglang.control_client import RequestControl
 from session_runtime.errors import BackendUnavailable, ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.metrics import Sample, gauge
 
@@ -41,15 +46,16 @@ class SGLangBackend(Backend):
 
     name = "sglang"
     supports_offload = True  # inside the scheduler: radix_ext/sglang/offload.py
+    probes_in_step = True  # the counterfactual probes ride the step's request
 
-    def __init__(self, url: str, control: ControlClient, *, page_size: int, capacity: int,
-                 bytes_per_token: int, vocab_size: int, max_context: int, server=None,
-                 timeout_s: float = 600.0, host_tokens: int = 0):
+    def __init__(self, url: str, control: Optional[RequestControl], *, page_size: int, capacity: int,
+                 bytes_per_token: int, vocab_size: int, max_context: int, server=None, host_tokens: int = 0,
+                 tp_size: int = 1, http: Optional[httpx.Client] = None):
         self.url = url.rstrip("/")
         self.host_tokens = host_tokens  # the scheduler's host tier, allocated by its first demotion
         self._maybe_on_host: set[str] = set()  # owners a tool wait or idle retirement may have demoted
-        self._reloaded: dict[str, tuple[int, int]] = {}  # owner -> (anchor, tokens) promoted for its next step
         self.control = control
+        self.tp_size = tp_size
         self.page_size = page_size
         self.capacity = capacity
         self.bytes_per_token = bytes_per_token
@@ -60,8 +66,7 @@ class SGLangBackend(Backend):
         self._closing = False
         self._restart_lock = threading.Lock()
         self._restarting: Optional[threading.Thread] = None
-        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self.http = http if http is not None else control.http
 
     # ----- steps --------------------------------------------------------------
 
@@ -72,8 +77,8 @@ class SGLangBackend(Backend):
         forced = None if req.forced is None else list(req.forced)
         self._validate(prompt, forced, req.sampling.max_tokens)
         n = len(prompt)
-        logical = self.probe(req.namespace, prompt).logical_len
-        body = self._body(req, prompt, forced)
+        promote = req.owner in self._maybe_on_host  # a tool wait or idle retirement may have demoted it
+        body = self._body(req, prompt, forced, promote)
         chunks = self._stream(body)
         first_t = last_t = None
         output: list[int] = []
@@ -111,8 +116,15 @@ class SGLangBackend(Backend):
             finish = "stop" if reason.get("type") == "stop" else "length"
             computed = prompt + output[:-1] if output else prompt
             logprobs = [e[0] for e in meta.get("output_token_logprobs") or []] if req.sampling.logprobs else None
+        report = report_of(meta) or {}
+        if report.get("error"):
+            logger.error("the tree's pre-actions for a step of %s failed: %s", req.owner, report["error"])
+        if promote and not report.get("on_host", True):
+            self._maybe_on_host.discard(req.owner)
+        logical = int(report.get("logical_len", 0))
         cached = min(int(meta.get("cached_tokens") or 0), n)
-        anchor, count = self._reloaded.pop(req.owner, (0, 0))
+        promoted = report.get("promoted") or {}
+        anchor, count = int(promoted.get("anchor", 0)), int(promoted.get("tokens", 0))
         host_loaded = min(count, max(0, cached - anchor))  # promoted tokens this request reused
         cached -= host_loaded
         ps = self.page_size
@@ -134,8 +146,13 @@ class SGLangBackend(Backend):
             tpot_ms=((last_t - first_t) / (len(output) - 1) * 1e3) if forced is None and len(output) > 1 and last_t else 0.0,
             attention_work=attention_work(n - cached - host_loaded, cached + host_loaded),
         )
+        probes = [ProbeResult(logical_len=p[0], device_len=p[1]) for p in report.get("probes") or ()]
+        chain = None if "chain_tokens" not in report else ChainState(
+            tokens=int(report["chain_tokens"]), host_bytes=int(report.get("host_bytes", 0)),
+            free_fraction=float(report.get("free_fraction", 1.0)))
         return StepResult(output=output, finish_reason=finish, sequence=computed, logprobs=logprobs,
-                          accounting=accounting, timing=StepTiming(total_ms, total_ms, 0.0))
+                          accounting=accounting, timing=StepTiming(total_ms, total_ms, 0.0),
+                          probes=probes if len(probes) == len(req.probe_prompts) else None, chain=chain)
 
     def _validate(self, prompt: list[int], forced: Optional[list[int]], max_tokens: int) -> None:
         n = len(prompt)
@@ -152,16 +169,17 @@ class SGLangBackend(Backend):
         if n + extra > self.capacity:
             raise PoolExhausted(f"the step needs {n + extra} KV slots; the server's pool holds {self.capacity}")
 
-    def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]]) -> dict:
+    def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]], promote: bool) -> dict:
         sp = req.sampling
+        intent = ChainIntent(hold=req.hold_chain, cache_limit=None if req.cache_output else len(prompt),
+                             promote=promote, share=promote, probes=tuple(_relative(p, prompt) for p in req.probe_prompts))
         params: dict = {"temperature": sp.temperature, "top_p": sp.top_p, "stop_token_ids": sorted(sp.stop_token_ids)}
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed % 2**31
         body: dict = {
             "input_ids": prompt if forced is None else prompt + forced,
             "sampling_params": params, "stream": True, "session_id": req.owner,
-            "kv_hints": ChainIntent(hold=req.hold_chain, cache_limit=None if req.cache_output else len(prompt)
-                                    ).envelope(uuid.uuid4().hex),
+            "kv_hints": intent.envelope(uuid.uuid4().hex),
             "priority": BACKGROUND_PRIORITY if req.background else USER_PRIORITY,
         }
         if req.namespace.extra_key is not None:
@@ -261,7 +279,7 @@ class SGLangBackend(Backend):
             return PoolExhausted(f"SGLang aborted the step: {message}")
         return InvalidRequest(f"SGLang aborted the step: {message}")
 
-    # ----- the tree, over the control channel ---------------------------------
+    # ----- the tree, by command requests ---------------------------------------
 
     def _call(self, name: str, **args):
         self._check_server()
@@ -283,6 +301,19 @@ class SGLangBackend(Backend):
         return self._call("hold_prefix", owner=owner, tokens=list(tokens), free_branch=free_branch,
                           **_ns(namespace))["tokens"]
 
+    def close_turn(self, owner: str, namespace: Namespace, fork: Optional[Sequence[int]], free_branch: bool,
+                   idle_ttl_s: Optional[float]) -> ChainState:
+        """One command: hold the chain at the fork, mark it idle, report the chain and the pool."""
+        if idle_ttl_s is not None:
+            self._maybe_on_host.add(owner)  # retiring it may demote it: the next step promotes it
+        args: dict = {"owner": owner, "free_branch": free_branch, "host_tokens": self.host_tokens, **_ns(namespace)}
+        if fork is not None:
+            args["tokens"] = list(fork)
+        if idle_ttl_s is not None:
+            args["ttl_s"] = idle_ttl_s
+        got = self._call("close", **args)
+        return ChainState(tokens=got["tokens"], host_bytes=got["host_bytes"], free_fraction=got["free_fraction"])
+
     # ----- tool-wait offload (the copies run in the scheduler) ---------------------
 
     def make_offload(self, background: bool = True):
@@ -299,19 +330,6 @@ class SGLangBackend(Backend):
     def demote(self, owner: str, copy: bool = True) -> int:
         self._maybe_on_host.add(owner)  # the next step promotes what moved
         return self._call("demote", owner=owner, host_tokens=self.host_tokens, copy=copy)["tokens"]
-
-    def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
-        """Promote the owner's host copy (if a tool wait or idle retirement
-        demoted it) before its next request, or else another conversation's host
-        copy that the prompt shares; that request's accounting counts what it
-        reuses of it as host_loaded. No round trip while nothing can be on the host."""
-        if not self._maybe_on_host:
-            return
-        got = self._call("promote", owner=owner, tokens=list(prompt), share=True, **_ns(namespace))
-        if not got.get("on_host"):
-            self._maybe_on_host.discard(owner)
-        if got["tokens"]:
-            self._reloaded[owner] = (got["anchor"], got["tokens"])
 
     def host_bytes(self, owner: str) -> int:
         if owner not in self._maybe_on_host:
@@ -396,6 +414,17 @@ def sse_chunks(lines):
         if data == "[DONE]":
             return
         yield json.loads(data)
+
+
+def _relative(probe: Sequence[int], prompt: list[int]) -> tuple[int, list[int]]:
+    """A probe prompt as (tokens it shares with the step's prompt, the rest)."""
+    probe = list(probe)
+    shared = 0
+    for a, b in zip(probe, prompt):
+        if a != b:
+            break
+        shared += 1
+    return shared, probe[shared:]
 
 
 def _ns(namespace: Namespace) -> dict:

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from radix_ext.sglang.control import PORT_OFFSET
 from radix_ext.sglang.platform import ENV as CPU_PLATFORM_ENV
 
 START_TIMEOUT_S = 600.0
@@ -40,13 +39,15 @@ class LaunchSpec:
     max_running_requests: int = 32
     seed: int = 0
     host: str = "127.0.0.1"
-    port: Optional[int] = None  # None: a free one (with its control port free too)
+    port: Optional[int] = None  # None: a free one
     extra_args: tuple[str, ...] = ()
     log_path: Optional[str] = None
     # CPU threads of its torch (OMP_NUM_THREADS) unless the environment says; None:
     # torch's default, every core. Several servers on one CPU each get their share:
     # with all of them spinning on every core, 2 servers on 2 cores decoded 9x slower.
     threads: Optional[int] = None
+    tp_size: int = 1  # tensor-parallel ranks (on cpu each is bound to its share of the cores)
+    api_key: Optional[str] = None  # SGLang's --api-key: every request (commands too) must carry it
 
     def argv(self, port: int) -> list[str]:
         return [
@@ -63,6 +64,8 @@ class LaunchSpec:
             # An idle scheduler otherwise spins a core.
             "--sleep-on-idle",
             "--random-seed", str(self.seed),
+            *(["--tp-size", str(self.tp_size)] if self.tp_size > 1 else []),
+            *(["--api-key", self.api_key] if self.api_key else []),
             *self.extra_args,
         ]
 
@@ -144,20 +147,10 @@ def _only_zombies(pgid: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now whose control-channel port is free too."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port + PORT_OFFSET > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port + PORT_OFFSET))
-            except OSError:
-                continue
-        return port
-    raise LaunchFailed("no free port pair for SGLang and its control channel")
+    """A port free now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def launch_env(spec: LaunchSpec, base: dict) -> dict:
@@ -168,7 +161,19 @@ def launch_env(spec: LaunchSpec, base: dict) -> dict:
         env[CPU_PLATFORM_ENV] = "1"
         if spec.threads and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = str(spec.threads)
+        tp = getattr(spec, "tp_size", 1)
+        if tp > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_binding(tp, os.cpu_count() or 1)
     return env
+
+
+def cpu_binding(ranks: int, cores: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` CPU ranks: each its own run of
+    cores ("0|1" for 2 ranks on 2 cores; "0-3|4-7" on 8). SGLang's CPU path
+    refuses more ranks than NUMA nodes without it."""
+    share = max(1, cores // ranks)
+    runs = [(i * share, i * share + share - 1) for i in range(ranks)]
+    return "|".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn=None,

@@ -34,6 +34,7 @@ import httpx
 from radix_ext.tree import Namespace, NodeInfo
 from session_runtime.backends.base import HoldsNoChain, StepRequest, StepResult
 from session_runtime.backends.sglang.backend import SGLangBackend
+from session_runtime.backends.sglang.control_client import client
 from session_runtime.backends.sglang.launcher import LaunchedServer, LaunchFailed, launch
 from session_runtime.errors import InvalidRequest
 
@@ -107,14 +108,16 @@ def launch_router(spec: RouterSpec, timeout_s: float = START_TIMEOUT_S) -> Launc
 
 
 class RoutedBackend(HoldsNoChain, SGLangBackend):
-    """Steps sent to the router's `/generate`; it holds no chain and has no
-    control channel, so every chain call is a no-op here (probes too: the
-    router picks the tree after them)."""
+    """Steps sent to the router's `/generate`; it holds no chain and takes no
+    command, so every chain call is a no-op here (probes too: the router picks
+    the tree after them)."""
+
+    probes_in_step = False  # the router drops kv_hints: the (empty) probes are HoldsNoChain's
 
     def __init__(self, url: str, like: SGLangBackend, router: Optional[LaunchedServer] = None):
         super().__init__(url, control=None, page_size=like.page_size, capacity=like.capacity,
                          bytes_per_token=like.bytes_per_token, vocab_size=like.vocab_size,
-                         max_context=like.max_context)
+                         max_context=like.max_context, http=client(headers=like.http.headers))
         self.router = router  # a LaunchedServer this process started, or None for --router-url
         self.steps = 0
 
@@ -125,17 +128,14 @@ class RoutedBackend(HoldsNoChain, SGLangBackend):
         self.steps += 1
         return result
 
-    def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]]) -> dict:
-        body = super()._body(req, prompt, forced)
+    def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]], promote: bool) -> dict:
+        body = super()._body(req, prompt, forced, False)
         for field in ("session_id", "kv_hints", "cache_salt"):  # the router drops them: say so by not sending
             body.pop(field, None)
         return body
 
     def available(self) -> bool:
         return self.router is None or self.router.alive()
-
-    def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
-        pass
 
     def expect_host(self, owner: str) -> None:
         pass

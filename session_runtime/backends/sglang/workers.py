@@ -31,7 +31,7 @@ import httpx
 
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime import placement
-from session_runtime.backends.base import Backend, StepRequest, StepResult
+from session_runtime.backends.base import Backend, ChainState, StepRequest, StepResult
 from session_runtime.backends.sglang.backend import SGLangBackend
 from session_runtime.backends.sglang.router import RoutedBackend, unfold
 from session_runtime.errors import BackendUnavailable, InvalidRequest
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 class WorkerPool(Backend):
     name = "sglang"
     supports_offload = True
+    probes_in_step = True  # every worker's are (a stateless step's router's are not: route() says)
 
     def __init__(self, workers: dict[str, SGLangBackend], epsilon: float = 0.25, health_interval_s: float = 2.0,
                  router: Optional[RoutedBackend] = None):
@@ -236,6 +237,10 @@ class WorkerPool(Backend):
     def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
         return self._call(owner, lambda w: w.lock_prefix(owner, namespace, tokens, free_branch))
 
+    def close_turn(self, owner: str, namespace: Namespace, fork: Optional[Sequence[int]], free_branch: bool,
+                   idle_ttl_s: Optional[float]) -> ChainState:
+        return self._call(owner, lambda w: w.close_turn(owner, namespace, fork, free_branch, idle_ttl_s))
+
     def mark_idle(self, owner: str, ttl_s: float) -> None:
         self._quiet(owner, lambda w: w.mark_idle(owner, ttl_s))
 
@@ -321,9 +326,6 @@ class WorkerPool(Backend):
 
     def demote(self, owner: str, copy: bool = True) -> int:
         return self._call(owner, lambda w: w.demote(owner, copy))
-
-    def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
-        self._call(owner, lambda w: w.reload(owner, namespace, prompt))
 
     def drop_host_copy(self, owner: str) -> None:
         self._quiet(owner, lambda w: w.drop_host_copy(owner))
