@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --backend sglang: tensor-parallel ranks of a launched server (on cpu each "
                             "rank gets its share of the cores: SGLANG_CPU_OMP_THREADS_BIND unless set); a "
                             "server given by --sglang-url says its own")
+    serve.add_argument("--chain-lease-s", type=float, default=_DEFAULTS.chain_lease_s, metavar="S",
+                       help="with --backend sglang: SGLang holds each conversation's KV chain under this "
+                            "runtime's lease, renewed by its steps and a heartbeat; a runtime gone longer than "
+                            "this leaves its chains to SGLang's LRU (0: no lease; a dead runtime's chains stay)")
     serve.add_argument("--sglang-max-running", type=int, default=_DEFAULTS.sglang_max_running,
                        help="--max-running-requests of the launched SGLang server")
     serve.add_argument("--model", default=_DEFAULTS.model,
@@ -194,7 +198,8 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend="upstream" if upstream else args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
         workers=args.workers, placement_epsilon=args.placement_epsilon, router_url=args.router_url,
-        sglang_max_running=args.sglang_max_running, sglang_api_key=args.sglang_api_key, tp_size=args.tp_size, request_deadline_s=args.request_deadline_s,
+        sglang_max_running=args.sglang_max_running, sglang_api_key=args.sglang_api_key, tp_size=args.tp_size,
+        chain_lease_s=args.chain_lease_s, request_deadline_s=args.request_deadline_s,
         max_conversations_per_tenant=args.max_conversations_per_tenant,
         max_tenant_bytes=args.max_tenant_bytes, max_tools=args.max_tools, max_tools_bytes=args.max_tools_bytes,
     )

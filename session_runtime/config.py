@@ -152,6 +152,10 @@ class RuntimeConfig:
     # launched server. None: SGLANG_API_KEY from the environment, if set.
     sglang_api_key: Optional[str] = None
     tp_size: int = 1  # tensor-parallel ranks of a launched server (a given one's are read from it)
+    # SGLang holds a conversation's chain under this runtime's lease, renewed by
+    # its steps and a heartbeat; past it (the runtime is gone) the chains go back
+    # to the LRU. 0: no lease (chains stay until released: unsafe if the runtime dies).
+    chain_lease_s: float = 300.0
     request_deadline_s: float = 600.0  # a step still running after this fails (408) and changes nothing; 0: none
     max_conversations_per_tenant: int = 10000  # a tenant's conversations the server keeps; 0: no limit
     max_tenant_bytes: int = 1 << 30  # bytes of conversations (as stored) a tenant may hold; 0: no limit
@@ -224,6 +228,8 @@ class RuntimeConfig:
             raise ValueError("sglang_url needs backend 'sglang'")
         if self.workers is not None and (self.workers < 0 or self.backend != "sglang"):
             raise ValueError("workers must be >= 0, with backend 'sglang'")
+        if not 0 <= self.chain_lease_s <= 86400:
+            raise ValueError(f"chain_lease_s must be within [0, 86400], got {self.chain_lease_s}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.workers == 0 and not self.sglang_urls:

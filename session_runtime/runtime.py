@@ -75,6 +75,7 @@ class Runtime(RuntimeInspection):
                 self._conv_locks[conv.id] = threading.Lock()
                 self._sized(conv, size)
                 self._place(conv, conv.worker)
+        self.backend.adopt(sorted(self.conversations))  # chains of conversations it does not know are released
 
     def _materialized(self, job) -> None:
         """A canonical branch is in the tree: record it on the turn that closed.

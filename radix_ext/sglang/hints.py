@@ -35,7 +35,7 @@ REPORT_KEY = "session_runtime"  # once per request (prefill-only requests and co
 REPORT_TOKENS_KEY = "session_runtime_tokens"  # per output token, the last one carries it (sampled steps)
 MAX_PROBES = 4
 
-_FIELDS = {"hold", "cache_limit", "promote", "share", "probes"}
+_FIELDS = {"hold", "cache_limit", "promote", "share", "probes", "holder", "lease_s"}
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,16 @@ class ChainIntent:
     host copy back before the request is matched (`share`: else another
     conversation's that the prompt continues). `probes`: prompts, each as
     (tokens shared with this request's input, tokens after them), whose
-    reusable prefix the tree reports as it is at intake."""
+    reusable prefix the tree reports as it is at intake. `holder`, `lease_s`:
+    the chain is held under that runtime's lease (`leases.py`; 0: none)."""
 
     hold: bool = True
     cache_limit: Optional[int] = None
     promote: bool = False
     share: bool = False
     probes: tuple = ()
+    holder: Optional[str] = None
+    lease_s: float = 0.0
 
     def envelope(self, message_id: str) -> dict:
         """The JSON `kv_hints` value for a /generate request."""
@@ -65,6 +68,8 @@ class ChainIntent:
             payload.update(promote=True, share=self.share)
         if self.probes:
             payload["probes"] = [[shared, list(tail)] for shared, tail in self.probes]
+        if self.holder:
+            payload.update(holder=self.holder, lease_s=self.lease_s)
         return _envelope(message_id, "chain", ACTION_TYPE, ACTION_VERSION, payload)
 
 
@@ -115,14 +120,19 @@ def _parse(version: str, payload: Any) -> Optional[ChainIntent]:
     hold, limit = payload.get("hold", True), payload.get("cache_limit")
     promote, share = payload.get("promote", False), payload.get("share", False)
     probes = payload.get("probes", [])
+    holder, lease = payload.get("holder"), payload.get("lease_s", 0.0)
     if not all(isinstance(b, bool) for b in (hold, promote, share)):
+        return None
+    if not (holder is None or isinstance(holder, str) and 0 < len(holder) <= 128):
+        return None
+    if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not 0 <= lease <= 86400:
         return None
     if not (limit is None or type(limit) is int and limit >= 0):
         return None
     if not isinstance(probes, list) or len(probes) > MAX_PROBES or not all(_probe_ok(p) for p in probes):
         return None
     return ChainIntent(hold=hold, cache_limit=limit, promote=promote, share=share,
-                       probes=tuple((p[0], tuple(p[1])) for p in probes))
+                       probes=tuple((p[0], tuple(p[1])) for p in probes), holder=holder, lease_s=float(lease))
 
 
 def _probe_ok(p: Any) -> bool:

@@ -219,6 +219,11 @@ class Backend(ABC):
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up (AssertionError otherwise)."""
 
+    def adopt(self, owners: Sequence[str]) -> None:
+        """The runtime knows these conversations (at start): a backend that may
+        hold chains from before (a server given by URL) keeps theirs for this
+        runtime and releases every other one."""
+
     def available(self) -> bool:
         """Can it take a step now, as far as this process knows without asking
         (O(1): /health calls it)."""

@@ -35,7 +35,7 @@ def test_the_scheduler_uses_the_session_tree(rt):
     info = httpx.get(f"{rt.backend.url}/server_info", timeout=30).json()
     assert info["radix_cache_backend"] == "session" and info["page_size"] == PAGE
     assert rt.backend.control.call("ping") == {"backend": "session", "page_size": PAGE, "capacity": SGLANG_POOL,
-                                               "sglang": "0.5.23"}
+                                               "sglang": "0.5.23", "tp_size": 1}
 
 
 def test_a_flood_of_unrelated_requests_evicts_no_chain(rt):

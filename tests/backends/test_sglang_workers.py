@@ -239,3 +239,30 @@ def test_a_worker_that_comes_back_rejoins(pool):
     finally:
         for c in cids:
             rt.delete_conversation(c)
+
+
+def test_a_conversation_whose_worker_is_known_down_moves_on_its_next_step(pool):
+    """Once /health lists a worker as down, the next step of a conversation
+    placed on it is served at once by a live worker (200, its history
+    prefilled there), not refused and not left waiting on the dead one."""
+    rt = pool
+    cids = [rt.create_conversation(system=SYSTEM + "down" + str(i), policy="drop", tenant="workers")
+            for i in range(6)]
+    try:
+        on_w1 = [c for c in cids if _where(rt, c) == "w1"]
+        assert on_w1, "no conversation was placed on w1"
+        for c in on_w1:
+            rt.send_message(c, "First turn.", forced=DONE)
+        os.killpg(rt.backend.workers["w1"].server.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while rt.backend.check_health()["w1"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert {w["id"]: w["up"] for w in rt.backend.describe_workers()}["w1"] is False
+        for c in on_w1:
+            t0 = time.monotonic()
+            step = rt.send_message(c, "Second turn.", forced=DONE)
+            assert time.monotonic() - t0 < 20 and _where(rt, c) == "w0"
+            assert step.accounting.recomputed_history_tokens > 0  # rebuilt by prefill on w0
+    finally:
+        for c in cids:
+            rt.delete_conversation(c)

@@ -385,3 +385,45 @@ def test_a_host_copy_is_shared_with_a_prompt_that_continues_it(served_cache):
     with pytest.raises(BadCommand):
         client.call("promote", owner="u", tokens=tokens, share="yes")
     client.call("check")
+
+
+def test_a_steps_probes_are_read_at_intake_and_reported_at_its_release(served_cache):
+    """The counterfactual probes and the logical probe ride the step's hints:
+    intake reads the tree before the step runs; the report (with the chain
+    after it) comes back on the step's own release."""
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
+    cache, client, pools, lock = served_cache
+    _finish(cache, pools, lock, "a", list(range(1, 13)))
+    prompt = list(range(1, 11)) + [99]
+    intent = ChainIntent(probes=((10, (5, 6)), (4, ())))  # [1..10, 5, 6] and [1..4]
+    req = SimpleNamespace(rid="step-1", kv_hints=decode_kv_hints_envelope(intent.envelope("step-1")), session_id="a",
+                          input_ids=prompt, extra_key=None, cache_salt=None)
+    with lock:
+        cache.intake(None, [req])
+    _finish(cache, pools, lock, "a", list(range(1, 13)) + [7, 7, 7, 7])  # the tree changes after intake
+    report = cache.reports.pop("step-1")
+    assert report["probes"] == [[10, 8], [3, 0]] and report["logical_len"] == 10
+    assert report["promoted"] == {"anchor": 0, "tokens": 0}
+
+
+def test_a_chain_whose_runtime_stops_renewing_its_lease_returns_to_the_lru(served_cache):
+    cache, client, pools, lock = served_cache
+    held = ChainIntent(holder="runtime-1", lease_s=60.0)
+    _finish(cache, pools, lock, "a", list(range(1, 9)), intent=held)
+    _finish(cache, pools, lock, "b", list(range(20, 28)), intent=held)
+    _finish(cache, pools, lock, "free", list(range(40, 48)))  # no lease: only a release frees it
+    assert client.call("pools")["leases"] == {"holders": 1, "chains": 2, "expired_chains": 0}
+    assert client.call("renew", holder="runtime-1", lease_s=60) == {"chains": 2}
+    with pytest.raises(BadCommand):
+        client.call("renew", holder="", lease_s=60)
+    with lock:
+        assert cache.leases.expired() == []
+        cache.leases.until["runtime-1"] = 0.0  # the heartbeat stopped long ago
+        cache.relieve(None)
+        assert set(cache.chains) == {"free"} and cache.protected_size() == 8
+    # A restarted runtime keeps what it knows and releases the rest.
+    _finish(cache, pools, lock, "a", list(range(1, 9)), intent=held)
+    assert client.call("adopt", holder="runtime-2", lease_s=30, keep=["a", "gone"]) == {"released": 1, "adopted": 1}
+    assert set(cache.chains) == {"a"} and cache.leases.holder_of == {"a": "runtime-2"}
+    client.call("check")

@@ -181,4 +181,5 @@ def _check_server(config, tokenizer, url: str, server, http: httpx.Client) -> SG
                              f"at {url} ({derived} tokens); leave it out to use {derived}")
     return SGLangBackend(url, control, page_size=ping["page_size"], capacity=ping["capacity"],
                          bytes_per_token=bytes_per_token, vocab_size=vocab, max_context=min(config.max_context, derived),
-                         server=server, host_tokens=config.host_tokens(bytes_per_token), tp_size=tp_size)
+                         server=server, host_tokens=config.host_tokens(bytes_per_token), tp_size=tp_size,
+                         lease_s=config.chain_lease_s)

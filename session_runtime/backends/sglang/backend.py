@@ -50,12 +50,14 @@ class SGLangBackend(Backend):
 
     def __init__(self, url: str, control: Optional[RequestControl], *, page_size: int, capacity: int,
                  bytes_per_token: int, vocab_size: int, max_context: int, server=None, host_tokens: int = 0,
-                 tp_size: int = 1, http: Optional[httpx.Client] = None):
+                 tp_size: int = 1, http: Optional[httpx.Client] = None, lease_s: float = 0.0):
         self.url = url.rstrip("/")
         self.host_tokens = host_tokens  # the scheduler's host tier, allocated by its first demotion
         self._maybe_on_host: set[str] = set()  # owners a tool wait or idle retirement may have demoted
         self.control = control
         self.tp_size = tp_size
+        self.holder = uuid.uuid4().hex  # this runtime process, for the chains' lease
+        self.lease_s = lease_s
         self.page_size = page_size
         self.capacity = capacity
         self.bytes_per_token = bytes_per_token
@@ -67,6 +69,11 @@ class SGLangBackend(Backend):
         self._restart_lock = threading.Lock()
         self._restarting: Optional[threading.Thread] = None
         self.http = http if http is not None else control.http
+        self._stop = threading.Event()
+        self._heartbeat = None
+        if lease_s > 0 and control is not None:
+            self._heartbeat = threading.Thread(target=self._renew, name="sglang-lease", daemon=True)
+            self._heartbeat.start()
 
     # ----- steps --------------------------------------------------------------
 
@@ -77,7 +84,9 @@ class SGLangBackend(Backend):
         forced = None if req.forced is None else list(req.forced)
         self._validate(prompt, forced, req.sampling.max_tokens)
         n = len(prompt)
-        promote = req.owner in self._maybe_on_host  # a tool wait or idle retirement may have demoted it
+        # A tool wait or idle retirement may have demoted this chain, or another
+        # conversation's whose host copy this prompt continues (shared).
+        promote = bool(self._maybe_on_host)
         body = self._body(req, prompt, forced, promote)
         chunks = self._stream(body)
         first_t = last_t = None
@@ -172,7 +181,8 @@ class SGLangBackend(Backend):
     def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]], promote: bool) -> dict:
         sp = req.sampling
         intent = ChainIntent(hold=req.hold_chain, cache_limit=None if req.cache_output else len(prompt),
-                             promote=promote, share=promote, probes=tuple(_relative(p, prompt) for p in req.probe_prompts))
+                             promote=promote, share=promote, probes=tuple(_relative(p, prompt) for p in req.probe_prompts),
+                             holder=self.holder if self.lease_s > 0 else None, lease_s=self.lease_s)
         params: dict = {"temperature": sp.temperature, "top_p": sp.top_p, "stop_token_ids": sorted(sp.stop_token_ids)}
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed % 2**31
@@ -314,6 +324,25 @@ class SGLangBackend(Backend):
         got = self._call("close", **args)
         return ChainState(tokens=got["tokens"], host_bytes=got["host_bytes"], free_fraction=got["free_fraction"])
 
+    # ----- leases -----------------------------------------------------------------
+
+    def _renew(self) -> None:
+        """Heartbeat: every chain this runtime holds keeps its lease while it lives
+        (a tool wait can outlast any step)."""
+        while not self._stop.wait(max(0.2, self.lease_s / 3)):
+            try:
+                self._call("renew", holder=self.holder, lease_s=self.lease_s)
+            except (BackendUnavailable, ControlError) as exc:
+                logger.warning("renewing the chains' lease on %s failed: %s", self.url, exc)
+
+    def adopt(self, owners: Sequence[str]) -> None:
+        """At start: the chains of `owners` are this runtime's now; the server
+        releases every other chain (a dead runtime's, or a deleted conversation's)."""
+        got = self._call("adopt", holder=self.holder, lease_s=self.lease_s, keep=list(owners))
+        if got["released"]:
+            logger.warning("released %d chains on %s that no conversation of this runtime owns",
+                           got["released"], self.url)
+
     # ----- tool-wait offload (the copies run in the scheduler) ---------------------
 
     def make_offload(self, background: bool = True):
@@ -393,6 +422,7 @@ class SGLangBackend(Backend):
         return f"SGLang server at {self.url} ({where}; page size {self.page_size}, pool {self.capacity} tokens)"
 
     def close(self) -> None:
+        self._stop.set()
         self.http.close()
         if self.server is not None:
             with self._restart_lock:

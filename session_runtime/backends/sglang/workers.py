@@ -313,6 +313,13 @@ class WorkerPool(Backend):
         with self._lock:
             return any(self.up.values())
 
+    def adopt(self, owners: Sequence[str]) -> None:
+        for wid, w in self._live():
+            try:
+                w.adopt(owners)
+            except BackendUnavailable as exc:
+                self._mark(w, exc)
+
     def make_offload(self, background: bool = True):
         from session_runtime.backends.sglang.offload import SchedulerOffload
 
