@@ -7,7 +7,9 @@ deadline passes, the scheduler returns all of its chains to the LRU (their
 pages become evictable; nothing else is lost: the conversations live in the
 runtime). A chain held without a holder or with lease 0 has no deadline (the
 old behaviour: only its runtime releases it). `adopt` hands the chains a
-restarted runtime knows to its new holder and releases the rest.
+restarted runtime knows to its new holder and releases the rest, except
+those another runtime holds under a live lease (several runtimes may share
+a server).
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ class Leases:
         now = time.monotonic() if now is None else now
         self.until[holder] = max(self.until.get(holder, 0.0), now + lease_s)
         return sum(1 for h in self.holder_of.values() if h == holder)
+
+    def live(self, owner: str, now: Optional[float] = None) -> bool:
+        """Is the chain held under a lease that has not passed (another runtime's, maybe)?"""
+        holder = self.holder_of.get(owner)
+        now = time.monotonic() if now is None else now
+        return holder is not None and self.until.get(holder, 0.0) >= now
 
     def forget(self, owner: str) -> None:
         self.holder_of.pop(owner, None)

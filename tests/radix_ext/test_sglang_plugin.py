@@ -422,8 +422,11 @@ def test_a_chain_whose_runtime_stops_renewing_its_lease_returns_to_the_lru(serve
         cache.leases.until["runtime-1"] = 0.0  # the heartbeat stopped long ago
         cache.relieve(None)
         assert set(cache.chains) == {"free"} and cache.protected_size() == 8
-    # A restarted runtime keeps what it knows and releases the rest.
+    # A restarted runtime keeps what it knows and releases the rest, but not
+    # what another live runtime holds.
     _finish(cache, pools, lock, "a", list(range(1, 9)), intent=held)
+    _finish(cache, pools, lock, "other", list(range(60, 68)), intent=ChainIntent(holder="runtime-3", lease_s=60.0))
     assert client.call("adopt", holder="runtime-2", lease_s=30, keep=["a", "gone"]) == {"released": 1, "adopted": 1}
-    assert set(cache.chains) == {"a"} and cache.leases.holder_of == {"a": "runtime-2"}
+    assert set(cache.chains) == {"a", "other"}
+    assert cache.leases.holder_of == {"a": "runtime-2", "other": "runtime-3"}
     client.call("check")
