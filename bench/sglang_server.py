@@ -93,7 +93,7 @@ MODES = {  # Part A: label -> (server, Runtime conversation kwargs or None for a
     "session_strip_emulated": ("session", {"policy": "strip_thinking_cache"}),
 }
 NEW_TOKENS = 32
-TARGET_SPEEDUP, TARGET_OVERHEAD = 3.0, 0.10
+TARGET_SPEEDUP = 3.0
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -441,7 +441,7 @@ def play_runtime(label: str, rt: Runtime, trace: dict, kwargs: dict, tpl, ps: in
         row.update({"tree_bytes": total * bpt, "chain_bytes": chain * bpt, "orphaned_bytes": orphaned * bpt,
                     "evictable_bytes": pools["evictable"] * bpt, "stale_bytes": (total - reusable) * bpt,
                     "reusable_bytes": reusable * bpt,
-                    "orphaned_source": ("control channel `pools`: evictable tokens" if holds else
+                    "orphaned_source": ("the `pools` command: evictable tokens" if holds else
                                         "tree tokens (pools) minus the next canonical prompt's probe "
                                         "(nothing is held: everything is evictable)"),
                     "idle_prefill_tokens": rt.materializer.stats["prefill_tokens"] - before, "idle_ms": idle_ms,
@@ -600,7 +600,10 @@ def level_row(concurrency: int, parts: list[dict], contention: list[dict]) -> di
     recs = [r for p in parts for r in p["records"]]
     wall = sum(p["wall_s"] for p in parts)
     lat, toks = [r[0] for r in recs], [r[1] for r in recs]
-    return {"concurrency": concurrency, "steps": len(recs), "wall_s": round(wall, 3), "rounds": len(parts),
+    commands = [p["commands"] for p in parts if "commands" in p]
+    extra = {} if not commands else {"commands_per_step": {
+        k: round(sum(c[k] for c in commands) / max(len(recs), 1), 3) for k in commands[0]}}
+    return {**extra, "concurrency": concurrency, "steps": len(recs), "wall_s": round(wall, 3), "rounds": len(parts),
             "steps_per_s": round(len(recs) / wall, 3), "generated_tokens_per_s": round(sum(toks) / wall, 2),
             "p50_ms": round(percentile(lat, 50), 2), "p99_ms": round(percentile(lat, 99), 2),
             "mean_ms": round(statistics.fmean(lat), 2),
@@ -638,8 +641,17 @@ class RuntimeAgents:
             lat = (time.perf_counter() - t) * 1e3
             return lat, step.accounting.output_tokens if self.forced is None else len(step.output_ids)
 
+        backend = rt.backend
+        before = (backend.control.calls, backend.after.sent, backend.renewals)
         try:
-            return drive(c, duration, step_fn)
+            out = drive(c, duration, step_fn)
+            calls, after, renewals = (a - b for a, b in zip(
+                (backend.control.calls, backend.after.sent, backend.renewals), before))
+            # Commands (server round trips besides each step's /generate) made while
+            # the steps ran: on a step's path, or sent after it answered (off its path).
+            out["commands"] = {"on_step_path": calls - after - renewals, "after_step": after,
+                               "lease_renewals": renewals}
+            return out
         finally:
             for cid in self.cids:
                 rt.delete_conversation(cid)
@@ -728,34 +740,42 @@ def warm_plain(url: str, tpl, args, n: int) -> None:
 # ----- report -------------------------------------------------------------------------
 
 
+TARGET_LAYER = {"forced": 0.05, "sampled": 0.03}  # our layer's cost over raw /generate on the same server (issue 21)
+
+
 def targets(b: dict) -> dict:
+    """Issue 21's targets, side by side on the session server (the Runtime and raw
+    /generate alternated in rounds): our layer within 5% (forced) / 3% (sampled)
+    of raw /generate in steps/s and p50 at 1 and 8 agents; 8 agents at least 3x
+    the steps/s of 1 (sampled); no command on a step's path."""
     out = {}
     for kind in ("sampled", "forced"):
         ours = {r["concurrency"]: r for r in b["sglang_session_runtime"][kind]}
-        plain = {r["concurrency"]: r for r in b["sglang_plain"][kind]}
         raw = {r["concurrency"]: r for r in b.get("sglang_session_raw", {}).get(kind, [])}
-        entry = {}
-        if 1 in ours and 8 in ours:
+        plain = {r["concurrency"]: r for r in b.get("sglang_plain", {}).get(kind, [])}
+        entry: dict = {}
+        for c in (1, 8):
+            if c in ours and c in raw:
+                slower = raw[c]["steps_per_s"] / ours[c]["steps_per_s"] - 1
+                p50 = ours[c]["p50_ms"] / raw[c]["p50_ms"] - 1
+                entry[f"layer_overhead_at_{c}"] = {
+                    "steps_per_s_deficit": round(slower, 4), "p50_overhead": round(p50, 4),
+                    "target": f"< {TARGET_LAYER[kind]}", "met": max(slower, p50) < TARGET_LAYER[kind],
+                    "ours": {"steps_per_s": ours[c]["steps_per_s"], "p50_ms": ours[c]["p50_ms"]},
+                    "raw": {"steps_per_s": raw[c]["steps_per_s"], "p50_ms": raw[c]["p50_ms"]}}
+        if kind == "sampled" and 1 in ours and 8 in ours:
             sp = ours[8]["steps_per_s"] / ours[1]["steps_per_s"]
             entry["speedup_8_vs_1"] = {"value": round(sp, 3), "target": f">= {TARGET_SPEEDUP}",
                                       "met": sp >= TARGET_SPEEDUP}
         if 8 in ours and 8 in plain:
-            ov = ours[8]["p50_ms"] / plain[8]["p50_ms"] - 1
-            entry["p50_overhead_at_8_vs_plain"] = {
-                "value": round(ov, 4), "target": f"< {TARGET_OVERHEAD}", "met": ov < TARGET_OVERHEAD,
-                "ours_p50_ms": ours[8]["p50_ms"], "plain_p50_ms": plain[8]["p50_ms"],
-                "how": "Runtime on the session server vs raw /generate on plain SGLang's server (separate servers, "
-                       "run minutes apart)"}
-        if 8 in ours and 8 in raw:
-            ov = ours[8]["p50_ms"] / raw[8]["p50_ms"] - 1
-            entry["p50_overhead_at_8_vs_raw_same_server"] = {
-                "value": round(ov, 4), "target": f"< {TARGET_OVERHEAD}", "met": ov < TARGET_OVERHEAD,
-                "ours_p50_ms": ours[8]["p50_ms"], "raw_p50_ms": raw[8]["p50_ms"],
-                "how": "supplementary: Runtime vs raw /generate on the same session server, alternated in rounds "
-                       "(the session layer alone, under the same load)"}
+            entry["p50_at_8_vs_plain_server"] = {
+                "value": round(ours[8]["p50_ms"] / plain[8]["p50_ms"] - 1, 4),
+                "how": "supplementary: plain SGLang's own server, run minutes apart"}
+        on_path = [r.get("commands_per_step", {}).get("on_step_path") for r in ours.values()]
+        entry["commands_on_step_path_per_step"] = {"values": on_path, "target": "0",
+                                                   "met": all(v == 0 for v in on_path if v is not None)}
         out[kind] = entry
-    out["note"] = ("the targets are stated for sampled steps; the forced figures are for information. Booleans "
-                   "only: nothing is asserted.")
+    out["note"] = "Booleans only: nothing is asserted. Ratios from one run, alternated in rounds."
     return out
 
 
@@ -1027,7 +1047,7 @@ def main() -> None:
             "plain": "SGLang server, default radix cache (no --radix-cache-backend), raw /generate client in this process",
             "plain_strip_flag": "SGLang server with --strip-thinking-cache, same raw client",
             "session_*": "SGLang server with --radix-cache-backend session, driven by session_runtime.Runtime "
-                         "(backend='sglang') in this process; its control channel on port+2048",
+                         "(backend='sglang') in this process; commands ride /generate requests (kv_hints)",
             "embedded": "session_runtime.Runtime(backend='embedded') in this process (our decoder over SGLang's pools)",
             "common_server_flags": "--skip-tokenizer-init --device cpu --dtype float32 --sleep-on-idle "
                                    "--enable-priority-scheduling (SESSION_RUNTIME_SGLANG_CPU=1)",
@@ -1071,7 +1091,7 @@ NOTES = {
     "ttft": "Next-turn TTFT = time to the first streamed token of a greedy 1-token sampled request on the turn's "
             "first prompt, sent just before the forced first step (the forced-step latency is recorded too, as "
             "`forced_first_step_ms`). Plain: measured by the raw client; ours: the SGLang backend's ttft_ms, which "
-            "also counts the control-channel probe it makes before /generate. The probe computes only the prompt "
+            "travels in the step's own hints (no separate round trip). The probe computes only the prompt "
             "(its one token is never fed), so the tree gains the prompt's full pages, a prefix of the forced step "
             "that follows: no orphan. Its cached_tokens are the first step's cached tokens (`first_cached_tokens`). "
             "The Runtime's own accounting of first steps (cache_state, counterfactual) sees the probe's pages, so "
@@ -1087,8 +1107,8 @@ NOTES = {
                 "(both servers): a token-level shadow of what each request inserted (its computed tokens cut to "
                 "whole pages), minus the page-aligned match of the next canonical history; the pool is far larger "
                 "than the workload, so nothing is evicted, and each request's predicted cached_tokens is checked "
-                "against the server's (`shadow_mismatches` lists any difference). Ours under drop: the control "
-                "channel's `pools` evictable tokens (one conversation on the server at a time; the tree is flushed "
+                "against the server's (`shadow_mismatches` lists any difference). Ours under drop: the `pools` "
+                "command's evictable tokens (one conversation on the server at a time; the tree is flushed "
                 "between replays), cross-checked against tree tokens minus a probe of the next canonical prompt "
                 "(`checks.evictable_equals_stale`). session_strip_emulated holds no chain: its figure is tree minus "
                 "reusable. Bytes = tokens x kv_bytes_per_token.",
@@ -1120,9 +1140,11 @@ NOTES = {
               "finish - start). On the session server the Runtime and raw /generate alternate in `rounds` per "
               "level (sglang_session_raw: the session layer's cost alone, under the same load); plain SGLang's "
               "server runs on its own, minutes apart. The embedded engine runs one step at a time, so its latency "
-              "at C > 1 is queueing. Our layer per step adds template rendering and control-channel calls (3 "
-              "probes: 2 counterfactual + 1 logical; hold_prefix at the fork and a `pools` read at the turn's "
-              "close), each answered by the scheduler between batches.",
+              "at C > 1 is queueing. Our layer per step adds template rendering; the step is one /generate whose "
+              "kv_hints carry the counterfactual probes and whose meta_info brings back the tree's report; the "
+              "turn's close (hold the fork, free the branch, mark idle) is one command request sent after the step "
+              "has answered (`commands_per_step`: on_step_path, after_step, lease_renewals, counted from the "
+              "backend's own counters).",
     "contention": "This 2-core machine is shared: other jobs (e.g. test suites that start their own SGLang servers) "
                   "may run meanwhile. Every measurement records `contention`: CPU seconds the machine was busy "
                   "minus this process's and the measured server's process group's, over wall x cores "

@@ -131,6 +131,8 @@ class Backend(ABC):
     capacity: int  # device KV slots
     supports_offload: bool = False  # tool-wait offload to a host tier
     probes_in_step: bool = False  # `step` probes StepRequest.probe_prompts itself, before the step
+    supports_top_logprobs: bool = False  # StepResult.top_logprobs
+    holds_kv: bool = True  # False: a provider answers (no tree, no canonical branch)
     wants_transcript: bool = False  # steps carry the conversation's messages (upstream proxy mode)
 
     @abstractmethod
@@ -167,10 +169,12 @@ class Backend(ABC):
         where no other chain or request holds it. Returns the chain's new length."""
 
     def close_turn(self, owner: str, namespace: Namespace, fork: Optional[Sequence[int]], free_branch: bool,
-                   idle_ttl_s: Optional[float]) -> ChainState:
+                   idle_ttl_s: Optional[float]) -> Optional[ChainState]:
         """A turn closed: hold the chain at `fork` (None: leave it), mark it idle
-        (None: do not), and say what the chain and the pool hold now. One call;
-        a backend behind a network makes it one round trip."""
+        (None: do not), and say what the chain and the pool hold now. A backend
+        behind a network sends it after the step has answered, in order with the
+        conversation's next call, and returns None: the step's own report
+        (StepResult.chain) then stands for it."""
         if fork is not None:
             self.lock_prefix(owner, namespace, fork, free_branch=free_branch)
         if idle_ttl_s is not None:
@@ -229,7 +233,7 @@ class Backend(ABC):
         (O(1): /health calls it)."""
         return True
 
-    def make_offload(self, background: bool = True):
+    def make_offload(self, background: bool = True, idle_ttl_s: float = 0.0):
         """The tool-wait offload manager that fits this backend (NoOffload when it has no host tier)."""
         from session_runtime.offload import NoOffload
 
@@ -267,6 +271,10 @@ class HoldsNoChain:
 
     def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
         return 0
+
+    def close_turn(self, owner: str, namespace: Namespace, fork: Optional[Sequence[int]], free_branch: bool,
+                   idle_ttl_s: Optional[float]) -> Optional[ChainState]:
+        return ChainState(tokens=0, host_bytes=0, free_fraction=1.0)
 
     def mark_idle(self, owner: str, ttl_s: float) -> None:
         pass

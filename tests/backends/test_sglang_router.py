@@ -44,7 +44,7 @@ def test_a_routed_request_carries_input_ids_and_only_fields_the_router_passes_on
     router = _router()
     try:
         req = StepRequest(owner="c1", prompt=[5, 6, 7], namespace=routed_namespace(Namespace("m|d|t", "acme")))
-        body = router._body(req, [5, 6, 7], None)
+        body = router._body(req, [5, 6, 7], None, False)
         assert body["input_ids"] == [5, 6, 7] and body["stream"] is True
         assert body["extra_key"] == "m|d|t|salt=acme"
         assert not {"session_id", "kv_hints", "cache_salt"} & set(body)

@@ -66,6 +66,13 @@ class Engine(HostTierOps, Backend):
 
     name = "embedded"
     supports_offload = True
+    supports_top_logprobs = True
+    is_embedded_engine = True  # Runtime.engine: the engine's internals, for its own tests and benchmarks
+
+    def make_offload(self, background: bool = True, idle_ttl_s: float = 0.0):
+        from session_runtime.offload import OffloadManager
+
+        return OffloadManager(self, background=background, idle_ttl_s=idle_ttl_s)
 
     def __init__(self, config: RuntimeConfig, decoder: Decoder):
         self.config = config

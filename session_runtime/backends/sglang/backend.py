@@ -31,6 +31,7 @@ from radix_ext.sglang.report import report_of
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime.accounting import StepAccounting, attention_work
 from session_runtime.backends.base import Backend, ChainState, StepRequest, StepResult, StepTiming
+from session_runtime.backends.sglang.after import OwnerQueue
 from session_runtime.backends.sglang.control_client import RequestControl
 from session_runtime.errors import BackendUnavailable, ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.metrics import Sample, gauge
@@ -58,6 +59,7 @@ class SGLangBackend(Backend):
         self.tp_size = tp_size
         self.holder = uuid.uuid4().hex  # this runtime process, for the chains' lease
         self.lease_s = lease_s
+        self.renewals = 0
         self.page_size = page_size
         self.capacity = capacity
         self.bytes_per_token = bytes_per_token
@@ -69,6 +71,7 @@ class SGLangBackend(Backend):
         self._restart_lock = threading.Lock()
         self._restarting: Optional[threading.Thread] = None
         self.http = http if http is not None else control.http
+        self.after = OwnerQueue()  # commands after a step, off its path, in order per conversation
         self._stop = threading.Event()
         self._heartbeat = None
         if lease_s > 0 and control is not None:
@@ -78,6 +81,7 @@ class SGLangBackend(Backend):
     # ----- steps --------------------------------------------------------------
 
     def step(self, req: StepRequest) -> StepResult:
+        self.after.settle(req.owner)  # the previous step's close or tool wait is in the tree first
         self._check_server()
         t0 = time.perf_counter()
         prompt = list(req.prompt)
@@ -292,6 +296,11 @@ class SGLangBackend(Backend):
     # ----- the tree, by command requests ---------------------------------------
 
     def _call(self, name: str, **args):
+        """A command, after what is queued for after earlier steps (`after.py`)."""
+        self.after.settle()
+        return self._send(name, **args)
+
+    def _send(self, name: str, **args):
         self._check_server()
         try:
             return self.control.call(name, **args)
@@ -312,8 +321,10 @@ class SGLangBackend(Backend):
                           **_ns(namespace))["tokens"]
 
     def close_turn(self, owner: str, namespace: Namespace, fork: Optional[Sequence[int]], free_branch: bool,
-                   idle_ttl_s: Optional[float]) -> ChainState:
-        """One command: hold the chain at the fork, mark it idle, report the chain and the pool."""
+                   idle_ttl_s: Optional[float]) -> None:
+        """One command, sent after the step has answered (`after.py`): hold the
+        chain at the fork, free the branch past it, mark it idle. Returns None:
+        the step's own report says what the chain will hold."""
         if idle_ttl_s is not None:
             self._maybe_on_host.add(owner)  # retiring it may demote it: the next step promotes it
         args: dict = {"owner": owner, "free_branch": free_branch, "host_tokens": self.host_tokens, **_ns(namespace)}
@@ -321,8 +332,7 @@ class SGLangBackend(Backend):
             args["tokens"] = list(fork)
         if idle_ttl_s is not None:
             args["ttl_s"] = idle_ttl_s
-        got = self._call("close", **args)
-        return ChainState(tokens=got["tokens"], host_bytes=got["host_bytes"], free_fraction=got["free_fraction"])
+        self.after.submit(owner, lambda: self._send("close", **args), "the turn's close")
 
     # ----- leases -----------------------------------------------------------------
 
@@ -331,7 +341,8 @@ class SGLangBackend(Backend):
         (a tool wait can outlast any step)."""
         while not self._stop.wait(max(0.2, self.lease_s / 3)):
             try:
-                self._call("renew", holder=self.holder, lease_s=self.lease_s)
+                self.renewals += 1
+                self._send("renew", holder=self.holder, lease_s=self.lease_s)
             except (BackendUnavailable, ControlError) as exc:
                 logger.warning("renewing the chains' lease on %s failed: %s", self.url, exc)
 
@@ -345,7 +356,8 @@ class SGLangBackend(Backend):
 
     # ----- tool-wait offload (the copies run in the scheduler) ---------------------
 
-    def make_offload(self, background: bool = True):
+    def make_offload(self, background: bool = True, idle_ttl_s: float = 0.0):
+        # Idle chains are the scheduler's to retire (mark_idle): idle_ttl_s travels with each close.
         from session_runtime.backends.sglang.offload import SchedulerOffload
 
         return SchedulerOffload(self, background=background)
@@ -354,7 +366,9 @@ class SGLangBackend(Backend):
         self._maybe_on_host.add(owner)
 
     def mark_waiting(self, owner: str) -> None:
-        self._call("wait", owner=owner, host_tokens=self.host_tokens)
+        """The owner waits for tools (pressure may demote it): sent after the step, in order."""
+        self.after.submit(owner, lambda: self._send("wait", owner=owner, host_tokens=self.host_tokens),
+                          "the tool wait's start")
 
     def demote(self, owner: str, copy: bool = True) -> int:
         self._maybe_on_host.add(owner)  # the next step promotes what moved
@@ -423,6 +437,7 @@ class SGLangBackend(Backend):
 
     def close(self) -> None:
         self._stop.set()
+        self.after.close()
         self.http.close()
         if self.server is not None:
             with self._restart_lock:

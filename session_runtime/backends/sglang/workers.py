@@ -238,7 +238,7 @@ class WorkerPool(Backend):
         return self._call(owner, lambda w: w.lock_prefix(owner, namespace, tokens, free_branch))
 
     def close_turn(self, owner: str, namespace: Namespace, fork: Optional[Sequence[int]], free_branch: bool,
-                   idle_ttl_s: Optional[float]) -> ChainState:
+                   idle_ttl_s: Optional[float]) -> Optional[ChainState]:
         return self._call(owner, lambda w: w.close_turn(owner, namespace, fork, free_branch, idle_ttl_s))
 
     def mark_idle(self, owner: str, ttl_s: float) -> None:
@@ -320,7 +320,8 @@ class WorkerPool(Backend):
             except BackendUnavailable as exc:
                 self._mark(w, exc)
 
-    def make_offload(self, background: bool = True):
+    def make_offload(self, background: bool = True, idle_ttl_s: float = 0.0):
+        # Idle chains are the scheduler's to retire (mark_idle): idle_ttl_s travels with each close.
         from session_runtime.backends.sglang.offload import SchedulerOffload
 
         return SchedulerOffload(self, background=background)

@@ -32,6 +32,7 @@ from session_runtime.proxy.transcript import reply_parts, request_body
 class UpstreamBackend(HoldsNoChain, Backend):
     name = "upstream"
     supports_offload = False
+    holds_kv = False
     wants_transcript = True
     bytes_per_token = 0
     capacity = 0

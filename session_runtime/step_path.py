@@ -1,0 +1,311 @@
+"""The step and turn-close path of the runtime: render, run one backend
+request, commit the step in every layer, and at a turn's close apply the
+reasoning policy (the fork, the canonical branch, the shadows of keep and
+drop for the next turn's counterfactual). A mixin of Runtime (`runtime.py`),
+which holds the conversations, their locks and the store; a step runs with
+its conversation's lock held."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Callable, Optional
+
+from radix_ext.tree import ProbeResult
+from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
+from session_runtime.backends.base import Cancellation, ChainState, StepRequest, StepResult, Transcript
+from session_runtime.errors import BackendUnavailable, InvalidRequest, ShuttingDown, StorageUnavailable
+from session_runtime.sampling import SamplingParams
+from session_runtime.step import Step
+from session_runtime.templates import Message, Template, ToolCall
+from session_runtime import turns as turn_rules
+from session_runtime.request_checks import _utf8
+
+
+class StepPath:
+    """Mixin of Runtime: one step, its commit and its turn's close."""
+
+    def _forced_ids(self, tpl: Template, forced: Optional[dict]) -> Optional[list[int]]:
+        if forced is None:
+            return None
+        if not isinstance(forced, dict) or set(forced) - {"reasoning", "content", "tool_calls"}:
+            raise InvalidRequest("forced must be {reasoning?, content?, tool_calls?}")
+        reasoning, content = forced.get("reasoning") or "", forced.get("content") or ""
+        if not isinstance(reasoning, str) or not isinstance(content, str):
+            raise InvalidRequest("forced reasoning and content must be strings")
+        _utf8("forced reasoning", reasoning, "forced content", content)
+        calls = []
+        for c in forced.get("tool_calls") or ():
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("arguments", {}), dict):
+                raise InvalidRequest("forced tool_calls must be [{name: str, arguments: object}]")
+            calls.append(ToolCall(id="", name=c["name"], arguments=c.get("arguments", {})))
+        ids = tpl.forced_ids(reasoning, content, calls)
+        # Replay appends exactly what the template writes: refuse what it cannot
+        # write back (a reasoning holding the end-of-thinking marker, a tool name
+        # that breaks the call markup, ...), rather than store something else.
+        back = tpl.parse_output(ids, "")
+        if (back.reasoning.strip(), back.content.strip()) != (reasoning.strip(), content.strip()) or [
+            (c.name, c.arguments) for c in back.tool_calls
+        ] != [(c.name, c.arguments) for c in calls]:
+            raise InvalidRequest("forced output does not survive the chat template: it would read back as "
+                                 f"reasoning {back.reasoning[:60]!r}, content {back.content[:60]!r}, "
+                                 f"{len(back.tool_calls)} tool calls")
+        return ids
+
+    def _step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
+              forced: Optional[dict], on_token: Optional[Callable[[int], None]] = None,
+              cancel: Optional[Cancellation] = None) -> Step:
+        """One step; `cancel` (or the request deadline) stops it between tokens,
+        and then it changes nothing."""
+        self._check_budget(conv.tenant)
+        cancel = cancel or Cancellation()
+        if cancel.deadline is None and self.config.request_deadline_s:
+            cancel.deadline = time.monotonic() + self.config.request_deadline_s
+        with self._lock:
+            if getattr(self, "_closed", False) or self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            self._inflight.add(cancel)
+        try:
+            return self._run_step(conv, new, turn, sampling, forced, on_token, cancel)
+        finally:
+            with self._lock:
+                self._inflight.discard(cancel)
+
+    def _run_step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
+                  forced: Optional[dict], on_token: Optional[Callable[[int], None]], cancel: Cancellation) -> Step:
+        tpl = self.template(conv.template)
+        forced_ids = self._forced_ids(tpl, forced)
+        ns = self.namespace(conv)
+        first = new[0].role == "user"
+        self.materializer.user_enter()
+        wait = self.offload.wait_ended(conv.id)  # the tool wait is over: no demotion now
+        job = None
+        try:
+            # A pending materialization is cancelled, a running one joined.
+            job = self.materializer.claim(conv.id)
+            if job is not None and job.state == "done" and conv.turns:
+                conv.turns[-1].materialized_prefill_tokens = job.prefill_tokens
+                conv.canonical_kind = "canonical"
+            keep = conv.policy.kept_turns(conv.closed_turns)
+            rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
+            history_len = len(tpl.render(conv.system, conv.tools, conv.history, keep, False).ids) if conv.history else 0
+            # No KV here in upstream mode: nothing local to weigh keep against drop by.
+            probe_prompts = self._counterfactual_prompts(conv, tpl, new) \
+                if first and not self.backend.wants_transcript else None
+            in_step = probe_prompts is not None and self.backend.route(conv.id).probes_in_step
+            counterfactual = None if probe_prompts is None or in_step else \
+                self._counterfactual(conv, probe_prompts, self.backend.route(conv.id).probe_many(ns, probe_prompts))
+            self.backend.reload(conv.id, ns, rendered.ids)  # host tier -> device, outside the engine lock
+            transcript = None
+            if self.backend.wants_transcript:  # upstream mode: the provider answers from the messages
+                transcript = Transcript(conv.system, conv.tools, [e.message for e in conv.trace] + new, tpl)
+            result = self.backend.step(
+                StepRequest(
+                    owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,
+                    forced=forced_ids, history_len=history_len,
+                    cache_output=conv.policy.caches_output, hold_chain=conv.policy.holds_chain,
+                    on_token=on_token, cancel=cancel, transcript=transcript,
+                    probe_prompts=probe_prompts if in_step else (),
+                )
+            )
+            if in_step:  # probed by the step itself, on the tree as it was before it
+                probes = result.probes if result.probes is not None else [ProbeResult(0, 0)] * len(probe_prompts)
+                counterfactual = self._counterfactual(conv, probe_prompts, probes)
+        except BaseException:
+            # A failed request changes nothing: the tool wait goes on as it was,
+            # and a canonical branch this request cancelled is scheduled again.
+            self.offload.wait_resumed(conv.id, wait)
+            if job is not None and job.state == "cancelled":
+                self.materializer.submit(job.owner, job.tokens, job.namespace)
+            raise
+        finally:
+            self.materializer.user_exit()
+        before = copy.deepcopy(conv)  # what a failed commit or save goes back to
+
+        def undo() -> None:
+            # Not committed, not done: the conversation is as before the step (a
+            # retry runs it once); its KV stays cached, and the closed turn's
+            # canonical branch or tool wait, if the commit started one, is dropped.
+            self.materializer.cancel(conv.id)
+            self.offload.wait_ended(conv.id)
+            conv.__dict__.update(before.__dict__)
+
+        try:
+            step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)
+        except BaseException:
+            undo()
+            raise
+        conv.version += 1
+        try:
+            self._persist(conv)  # before the response returns
+        except Exception as exc:
+            undo()
+            raise StorageUnavailable(f"the step could not be saved, so it did not happen: {exc}") from exc
+        return step
+
+    _RULES = ("keep", "drop")
+
+    def _counterfactual_prompts(self, conv: Conversation, tpl: Template, new: list[Message]) -> list[list[int]]:
+        """This turn's prompt as keep and as drop would render it."""
+        generated = [e.message for e in conv.trace] + new
+        rules = (turn_rules.keep_all, turn_rules.keep_from(new[0].turn))
+        return [tpl.render(conv.system, conv.tools, generated, keep, True).ids for keep in rules]
+
+    def _counterfactual(self, conv: Conversation, prompts: list[list[int]], probes) -> dict:
+        """Keep vs drop for this turn's prompt, from probes of the tree as it was before the step."""
+        return {name: turn_rules.counterfactual_entry(prompt, probe, conv.shadows.get(name, ()))
+                for name, prompt, probe in zip(self._RULES, prompts, probes)}
+
+    def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual) -> Step:
+        """Record a successful step in every layer, then close the turn if it ended."""
+        step_index = 0 if new[0].role == "user" else len(conv.turns[-1].steps)
+        parsed = tpl.parse_output(result.output, f"call_{turn}_{step_index}")
+        if result.wire is not None:  # upstream mode: the provider's message and call ids, verbatim
+            parsed = dataclasses.replace(parsed, reasoning=result.wire.reasoning, content=result.wire.content,
+                                         tool_calls=tuple(result.wire.calls))
+        reasoning = parsed.reasoning
+        assistant = Message("assistant", turn, content=parsed.content, reasoning=reasoning,
+                            tool_calls=parsed.tool_calls, output_ids=tuple(result.output),
+                            wire=result.wire.wire if result.wire is not None else "")
+        acc = result.accounting
+        if new[0].role == "user":
+            prev = conv.turns[-1] if conv.turns else None
+            state = turn_rules.cache_state((acc.cached_input_tokens or 0) + acc.host_loaded_tokens,
+                                           prev.first_prompt_tokens if prev else None, conv.canonical_kind)
+            acc = dataclasses.replace(acc, cache_state=state, counterfactual=counterfactual)
+            conv.turns.append(TurnRecord(index=turn, first_prompt_tokens=len(prompt), cache_state=state,
+                                         counterfactual=counterfactual))
+        record = conv.turns[-1]
+        conv.history += [*new, assistant]
+        conv.trace += [TraceEntry(m) for m in new]
+        conv.trace.append(TraceEntry(assistant, step=step_index, finish_reason=result.finish_reason))
+        conv.chain_tokens = result.sequence
+        generated = (conv.protocol.generated_ids if conv.protocol else ()) + tuple(result.output)
+        if parsed.tool_calls:
+            conv.protocol = ProtocolState(turn, parsed.tool_calls, generated)
+            self.offload.wait_started(conv.id, conv.offload)
+            conv.canonical_kind = "generated"
+            finish = "tool_calls"
+        else:
+            conv.protocol = None
+            acc = self._close_turn(conv, tpl, ns, record, prompt + list(result.output), acc, result.chain)
+            if conv.policy.holds_chain:
+                self.offload.idle_started(conv.id)
+            finish = result.finish_reason
+        record.steps.append(acc)
+        return Step(
+            conversation_id=conv.id, turn=turn, step=step_index, reasoning=reasoning,
+            content=parsed.content, tool_calls=[c.as_dict() for c in parsed.tool_calls],
+            finish_reason=finish, output_ids=result.output, logprobs=result.logprobs, accounting=acc,
+            top_logprobs=result.top_logprobs,
+            reasoning_tokens=len(result.output) - len(parsed.answer_ids) - int(parsed.ended),
+        )
+
+    def _close_turn(self, conv, tpl, ns, record: TurnRecord, generated: list[int], acc,
+                    chain: Optional[ChainState]):
+        """Apply the reasoning policy to the closed turn: rebuild the canonical
+        history, find the fork, hold the chain at the fork and mark it idle (one
+        backend call), and maybe schedule the canonical branch. Returns the
+        step's accounting with the real next context. `chain`: the chain as the
+        step's own answer reported it, if it did."""
+        record.closed = True
+        self.backend.drop_host_copy(conv.id)  # the tool chain's copy will not be reloaded
+        keep = conv.policy.kept_turns(conv.closed_turns)
+        conv.history = [
+            tpl.strip_reasoning(m)
+            if m.role == "assistant" and not keep(m.turn) and m.reasoning
+            else m
+            for m in conv.history
+        ]
+        canonical = tpl.render(conv.system, conv.tools, conv.history, keep, False).ids
+        fork = turn_rules.common_prefix(generated, canonical)
+        record.fork_tokens = fork
+        acc = dataclasses.replace(acc, active_context_length=len(canonical))
+        materialize: Optional[bool] = None  # this turn's real decision, when one is made
+        conv.canonical_kind = "generated" if fork >= len(generated) else "prefix"  # generated: nothing dropped
+        forks = fork < len(generated) and conv.policy.holds_chain
+        if conv.policy.holds_chain:
+            # A's KV was computed after R: past the fork nothing may be reused. Hold
+            # the shared prefix (its partial page copied); a dropping policy frees
+            # the generated branch at once, where no other chain or step holds it.
+            try:
+                closed = self.backend.close_turn(conv.id, ns, canonical[:fork] if forks else None,
+                                                 free_branch=conv.policy.may_materialize,
+                                                 idle_ttl_s=self.config.idle_ttl_s)
+                # None: the close is sent after this step answers; the chain will hold the fork
+                # (the step's report held the whole sequence).
+                chain = closed if closed is not None or chain is None else dataclasses.replace(
+                    chain, tokens=min(fork, chain.tokens) if forks else chain.tokens)
+            except BackendUnavailable as exc:
+                # The chain's worker went down after the step finished: there is no
+                # chain to hold there now. The step stands; the conversation moves
+                # and its next step prefills its history elsewhere (recomputed).
+                chain, forks = ChainState(0, 0, 0.0), False
+                record.materialize = f"skipped: the chain's worker is gone ({exc})"
+        free = (lambda: chain.free_fraction) if chain is not None else self.backend.free_fraction
+        if forks and conv.policy.may_materialize:
+            materialize, why = conv.materialize.decide(
+                reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
+                answer_tokens=len(canonical) - fork,
+                free_fraction=free,
+                idle=self.materializer.waiting_users == 0,  # this request has already left
+            )
+            record.materialize = ("scheduled: " if materialize else "skipped: ") + why
+            if materialize:
+                self.materializer.submit(conv.id, canonical, ns)
+        # Under drop the shadow of drop is this very chain: the same decision, not a second one.
+        # A sampled step's last token was never fed (it has no KV), under either policy.
+        unfed = min(max(0, len(generated) - len(conv.chain_tokens)), len(conv.trace[-1].message.output_ids))
+        self._shadow(conv, tpl, record, materialize if conv.policy.name == "drop" else None, unfed, free)
+        return self._chain_bytes(conv, acc, chain)
+
+    def _shadow(self, conv: Conversation, tpl: Template, record: TurnRecord,
+                drop_materializes: Optional[bool] = None, unfed: int = 0, free_fraction=None) -> None:
+        """Set `conv.shadows`: the chains (token ids, no KV) that the keep and drop
+        policies would hold now that turn `record.index` closed, had the
+        conversation run under each from its first turn, so that the next turn's
+        counterfactual is what that policy really pays, on every turn.
+
+        Each policy's generated sequence of this turn is its own rendering of the
+        trace before the closing output, plus that output (less its `unfed` last
+        tokens, which have no KV): every turn's reasoning under keep, only this
+        turn's under drop. Keep holds it whole. Drop holds
+        its common prefix with drop's canonical sequence (this turn's reasoning
+        dropped too), or the whole canonical sequence when drop would materialize
+        the branch under the conversation's own materialize setting:
+        `drop_materializes` is the real decision when the conversation runs drop;
+        otherwise the same `decide` is asked with drop's figures."""
+        trace = [e.message for e in conv.trace]
+        *before, last = trace
+        t = record.index
+
+        def generated(keep) -> list[int]:
+            ids = tpl.render(conv.system, conv.tools, before, keep, True).ids + list(last.output_ids)
+            return ids[: len(ids) - unfed]
+
+        keep_chain, drop_generated = generated(turn_rules.keep_all), generated(turn_rules.keep_from(t))
+        canonical = tpl.render(conv.system, conv.tools, trace, turn_rules.keep_from(t + 1), False).ids
+        fork = turn_rules.common_prefix(drop_generated, canonical)
+        if drop_materializes is None and fork < len(drop_generated):
+            drop_materializes, _ = conv.materialize.decide(
+                reasoning_tokens=len(drop_generated) - len(canonical), answer_tokens=len(canonical) - fork,
+                free_fraction=free_fraction or self.backend.free_fraction, idle=self.materializer.waiting_users == 0)
+        conv.shadows = {"keep": keep_chain, "drop": canonical if drop_materializes else canonical[:fork]}
+
+    def _chain_bytes(self, conv: Conversation, acc, chain: Optional[ChainState]):
+        """The step's KV figures as the closed turn left the chain."""
+        if not conv.policy.holds_chain:
+            return acc  # nothing is held: the figures are what the step inserted
+        if chain is None:
+            chain = ChainState(self.backend.chain_tokens(conv.id), self.backend.host_bytes(conv.id), 0.0)
+        return dataclasses.replace(acc, kv_device_bytes=chain.tokens * self.backend.bytes_per_token,
+                                   kv_host_bytes=chain.host_bytes)
+
+    def stop_steps(self) -> None:
+        """Shutting down: steps in flight stop at their next token and fail (503),
+        changing nothing, and no new step starts."""
+        with self._lock:
+            self._stopping = True
+            for cancel in list(self._inflight):
+                cancel.cancel(ShuttingDown("the server is shutting down"))
