@@ -46,6 +46,7 @@ def _hf_model(arch: str, seed: int, shape: dict = SMALL_SHAPE):
         num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"], head_dim=s["head_dim"],
         intermediate_size=s["intermediate_size"], rope_theta=s["rope_theta"], rms_norm_eps=s["rms_norm_eps"],
         tie_word_embeddings=True, attn_implementation="eager",
+        **({"max_position_embeddings": s["max_position_embeddings"]} if "max_position_embeddings" in s else {}),
     )
     torch.manual_seed(seed)
     model = cls_model(cfg).eval()
@@ -111,9 +112,11 @@ SGLANG_CONTEXT = 4096
 @pytest.fixture(scope="session")
 def tiny_hf_folder(tmp_path_factory):
     """The tiny shape with DeepSeek's vocabulary, saved by transformers as a
-    Hugging Face folder (random weights, scaled as in `_hf_model`)."""
+    Hugging Face folder (random weights, scaled as in `_hf_model`), whose own
+    context limit (max_position_embeddings) is SGLANG_CONTEXT: the runtimes
+    over it are given no max_context and take the model's."""
     folder = tmp_path_factory.mktemp("tiny-qwen3")
-    model = _hf_model("qwen3", seed=4321, shape=TINY_SHAPE)
+    model = _hf_model("qwen3", seed=4321, shape={**TINY_SHAPE, "max_position_embeddings": SGLANG_CONTEXT})
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -122,8 +125,9 @@ def _folder_runtime(folder, backend: str):
     from session_runtime.config import RuntimeConfig
     from session_runtime.runtime import Runtime
 
+    # No max_context: the folder's own limit (SGLANG_CONTEXT) is the default on both backends.
     return Runtime(RuntimeConfig(model=str(folder), backend=backend, page_size=16, pool_tokens=SGLANG_POOL,
-                                 max_context=SGLANG_CONTEXT, template="deepseek", data_dir=None, offload="never"),
+                                 template="deepseek", data_dir=None, offload="never"),
                    background=False)
 
 

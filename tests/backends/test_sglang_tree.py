@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from radix_ext.sglang.control import BadCommand, StaleCommand
-from tests.conftest import SGLANG_POOL
+from tests.conftest import SGLANG_CONTEXT, SGLANG_POOL
 
 PAGE = 16
 
@@ -34,6 +34,8 @@ def rt(sglang_runtime):
 def test_the_scheduler_uses_the_session_tree(rt):
     info = httpx.get(f"{rt.backend.url}/server_info", timeout=30).json()
     assert info["radix_cache_backend"] == "session" and info["page_size"] == PAGE
+    # No --max-context was given: the folder's max_position_embeddings (4096, not 32768) went to SGLang.
+    assert info["context_length"] == SGLANG_CONTEXT == rt.config.max_context == rt.backend.max_context
     assert rt.backend.control.call("ping") == {"backend": "session", "page_size": PAGE, "capacity": SGLANG_POOL,
                                                "sglang": "0.5.23", "tp_size": 1}
 
