@@ -2,9 +2,12 @@
 on SGLang's real server, plain and with our `session` radix-cache backend.
 
     .venv/bin/python bench/sglang_server.py [--quick] [--turns 8] [--seed 0] [--duration 16] [--reps 2]
-                                     [--rounds 2] [--concurrency 1,8,32] [--pool-tokens 262144]
+                                     [--rounds 2] [--concurrency 1,8,32] [--pool-tokens 262144] [--name sglang]
+    # issue 21's side-by-side check of the session layer (Part B only, one server):
+    .venv/bin/python bench/sglang_server.py --skip part_a,embedded,plain_strip,plain --concurrency 1,8,32 \
+        --duration 14 --rounds 2 --name sglang_layer
 
-Writes bench/results/sglang.json and bench/results/sglang.png. One run, one
+Writes bench/results/NAME.json and bench/results/NAME.png (NAME: sglang). One run, one
 model folder (the `tiny` preset's random weights, exported once as a Hugging
 Face folder), one seeded workload. The servers run one after the other, never
 two at once, each stopped (its whole process group) before the next starts:
@@ -867,6 +870,7 @@ def main() -> None:
                     help="torch/OpenMP threads of every server (OMP_NUM_THREADS) and of the embedded engine; 1 is "
                          "steadiest on a shared 2-core host (0: leave the defaults)")
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "session-runtime" / "models"))
+    ap.add_argument("--name", default="sglang", help="results as bench/results/NAME.json and NAME.png")
     ap.add_argument("--skip", default="", help="comma-separated: plain, plain_strip, session, embedded, part_a, part_b (debugging)")
     args = ap.parse_args()
     os.chdir(_HERE.parent)  # the servers run `python -m sglang...` from the cwd: never from bench/
@@ -1056,12 +1060,12 @@ def main() -> None:
                    "reasoning_over_answer": {"min": min(s["ratio"] for s in sizes), "max": max(s["ratio"] for s in sizes)},
                    "forced_tokens_total": sum(s["reasoning_tokens"] + s["answer_tokens"] + 2 for s in sizes)},
         "part_b": {"backends": backends,
-                   "targets": targets(backends) if {"sglang_session_runtime", "sglang_plain"} <= set(backends) else None},
+                   "targets": targets(backends) if "sglang_session_runtime" in backends else None},
         "notes": NOTES,
         "wall_s": round(time.perf_counter() - _T0, 1),
         "loadavg": {"start": list(load0), "end": list(os.getloadavg())},
     }
-    write_report("sglang", result, plot)
+    write_report(args.name, result, plot)
     print()
     for label, m in summary.items():
         tt = m["totals"]
@@ -1070,10 +1074,8 @@ def main() -> None:
               f"{tt['tool_chain_recomputed']:>6,}  next-turn ttft {m['next_turn_ttft_median_ms']:7.1f} ms  "
               f"final orphaned {m['final_orphaned_bytes'] / 2**20:6.2f} MiB")
     if result["part_b"]["targets"]:
-        for kind in ("sampled", "forced"):
-            for k, v in result["part_b"]["targets"][kind].items():
-                print(f"target {kind} {k}: {v['value']} ({v['target']}) met={v['met']}")
-    print(f"wall {result['wall_s']:.0f} s -> {RESULTS}/sglang.json, sglang.png")
+        print(json.dumps(result["part_b"]["targets"], indent=1))
+    print(f"wall {result['wall_s']:.0f} s -> {RESULTS}/{args.name}.json, {args.name}.png")
 
 
 NOTES = {
