@@ -61,6 +61,15 @@ class RuntimeInspection:
             return self.backend.snapshot(self.tokenizer.decode, owner=conversation, worker=worker)
         return self.backend.snapshot(self.tokenizer.decode, owner=conversation)
 
+    def integrity(self) -> dict:
+        """The integrity check as a report: {"ok": True, ...the backend's figures}
+        or {"ok": False, "error": ...}."""
+        try:
+            self.check_integrity()
+            return {"ok": True, **self.backend.integrity()}
+        except AssertionError as exc:
+            return {"ok": False, "error": str(exc)}
+
     def chains(self) -> dict[str, int]:
         """Tokens each conversation's chain holds in the tree."""
         held = self.backend.peek_chain_lengths()

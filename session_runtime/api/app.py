@@ -173,19 +173,24 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
         return {"worker": wid, "moved": moved, "workers": runtime.backend.describe_workers()}
 
     @app.get("/debug/tree")
-    def tree(conversation: str | None = None, worker: str | None = None,
+    def tree(conversation: str | None = None, worker: str | None = None, check: bool = False,
              caller: Caller = Depends(current_caller)) -> dict:
-        """The tree; a tenant sees only its own nodes and chains, the admin all."""
+        """The tree; a tenant sees only its own nodes and chains, the admin all.
+        `check=true` (the admin's): the integrity check too (on SGLang, every
+        tensor-parallel rank's tree compared)."""
         if conversation is not None:
             visible(runtime, conversation, caller)
         nodes, chains = runtime.tree_snapshot(conversation, worker), runtime.chains()
         if not caller.admin:
             nodes, chains = tenant_tree(nodes, chains, caller.tenant, runtime.conversations_of(caller.tenant))
-        return {
+        body = {
             "page_size": runtime.config.page_size,
             "nodes": [dataclasses.asdict(n) for n in nodes],
             "chains": chains,
         }
+        if check and caller.admin:
+            body["integrity"] = runtime.integrity()
+        return body
 
     app.include_router(tree_page_router())
 

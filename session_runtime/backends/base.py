@@ -228,6 +228,10 @@ class Backend(ABC):
         hold chains from before (a server given by URL) keeps theirs for this
         runtime and releases every other one."""
 
+    def integrity(self) -> dict:
+        """What the last check_integrity found, for operators (ranks compared, ...)."""
+        return {"ranks": 1}
+
     def available(self) -> bool:
         """Can it take a step now, as far as this process knows without asking
         (O(1): /health calls it)."""

@@ -166,6 +166,9 @@ def test_debug_tree_shows_a_tenant_only_its_own(clients, keyed):
         return [{k: v for k, v in n.items() if k != "last_access_age_s"} for n in nodes]
 
     assert chain_of("a") == chain_of("admin") and chain_of("a")
+    # The integrity check, on request, is the admin's alone.
+    assert clients["admin"].get("/debug/tree", params={"check": "true"}).json()["integrity"] == {"ok": True, "ranks": 1}
+    assert "integrity" not in clients["a"].get("/debug/tree", params={"check": "true"}).json()
     # The page opens with the key as a Basic password (what a browser sends after its prompt).
     basic = "Basic " + base64.b64encode(f"anyone:{KEY_A}".encode()).decode()
     page = clients["none"].get("/debug/tree.html", headers={"Authorization": basic})

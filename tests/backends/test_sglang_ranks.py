@@ -166,7 +166,8 @@ def test_both_ranks_trees_are_identical_after_a_mixed_workload(sglang_runtime):
         rt.delete_conversation(cids[1])
         checked = rt.backend.control.call("check")
         assert checked["ranks"] == 2 and checked["checked"] == "full"
-        rt.check_integrity()
+        report = rt.integrity()  # what /debug/tree?check=true shows the admin
+        assert report["ok"] and report["ranks"] == 2 and report["digest"] == checked["digest"]
     finally:
         for cid in cids:
             if cid in rt.conversations:

@@ -426,10 +426,15 @@ class SGLangBackend(Backend):
         return (p["available"] + p["evictable"]) / p["capacity"]
 
     def check_integrity(self) -> None:
+        self.integrity()
+
+    def integrity(self) -> dict:
+        """The tree's check on every tensor-parallel rank (their digests compared)."""
         try:
-            self._call("check")
+            got = self._call("check")
         except ControlError as exc:
             raise AssertionError(f"SGLang tree: {exc}") from None
+        return {"ranks": got.get("ranks", 1), "checked": got.get("checked"), "digest": got.get("digest")}
 
     def describe(self) -> str:
         where = f"launched in {self.server.started_s:.0f} s" if self.server is not None else "given by --sglang-url"

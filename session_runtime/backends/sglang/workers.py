@@ -306,8 +306,10 @@ class WorkerPool(Backend):
         return max((w.free_fraction() for _, w in live), default=0.0)
 
     def check_integrity(self) -> None:
-        for _, w in self._live():
-            w.check_integrity()
+        self.integrity()
+
+    def integrity(self) -> dict:
+        return {"workers": {wid: w.integrity() for wid, w in self._live()}}
 
     def available(self) -> bool:
         with self._lock:
