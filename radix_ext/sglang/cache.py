@@ -76,7 +76,7 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
                     self.reports.put(req.rid, answer(self.commands, cmd[0], cmd[1], scheduler))
                     continue
                 owner, intent = getattr(req, "session_id", None), intent_of(hints)
-                if owner and (intent.promote or intent.probes):
+                if owner and has_chain_action(hints):
                     try:
                         self.reports.put(req.rid, self._before(owner, intent, req))
                     except Exception as exc:  # never into SGLang's loop: the step runs, its report says why
@@ -96,7 +96,10 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
             promoted = self._cmd_promote({"owner": owner, "tokens": ids, "share": intent.share,
                                           "extra_key": ns.extra_key, "cache_salt": ns.cache_salt}, None)
         logical = self.probe(ns.key(ids[: max(len(ids) - 1, 0)])).logical_len
-        return {"probes": probes, "promoted": promoted, "logical_len": logical}
+        alloc = self.token_to_kv_pool_allocator
+        return {"probes": probes, "promoted": promoted, "logical_len": logical,
+                "host_bytes": self.offload.bytes_of(owner),
+                "free_fraction": (alloc.available_size() + self.evictable_size()) / max(self.capacity, 1)}
 
     # ----- per-request hooks (called by SGLang's scheduler) -------------------
 
@@ -108,6 +111,11 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
         owner = getattr(req, "session_id", None) if req is not None else None
         if owner:
             self.idle.active(owner)  # a request of its own is waiting: not idle
+        if req is not None and getattr(req, "session_report", None) is None:
+            found = self.reports.pop(getattr(req, "rid", None))
+            if found is not None:  # what intake found rides the request's first chunk
+                req.session_report = found
+                attach(req, found)
         if (not owner or self.page_size == 1 or getattr(params.key, "is_bigram", False)
                 or not has_chain_action(getattr(req, "kv_hints", None))):
             return result
@@ -162,7 +170,7 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         owner = getattr(req, "session_id", None)
         hints = getattr(req, "kv_hints", None)
-        report = self.reports.pop(getattr(req, "rid", None))
+        report = getattr(req, "session_report", None) or self.reports.pop(getattr(req, "rid", None))
         try:
             self._release_request(req, owner, hints, checkpointed)
         finally:

@@ -31,8 +31,7 @@ COMMAND_TYPE = "session_runtime.command"
 COMMAND_VERSION = "1"
 PROTOCOL_VERSION = "1"
 # meta_info keys the tree's answers come back under (radix_ext/sglang/report.py)
-REPORT_KEY = "session_runtime"  # once per request (prefill-only requests and commands)
-REPORT_TOKENS_KEY = "session_runtime_tokens"  # per output token, the last one carries it (sampled steps)
+REPORT_KEY = "session_runtime"  # a request-level meta_info key (radix_ext/sglang/report.py)
 MAX_PROBES = 4
 
 _FIELDS = {"hold", "cache_limit", "promote", "share", "probes", "holder", "lease_s"}

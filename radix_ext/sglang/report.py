@@ -1,15 +1,21 @@
 """What the tree hands back for a request, in the request's own answer.
 
 SGLang 0.5.23 carries a request's `customized_info` (a dict of lists, set on
-the scheduler's `Req`) into its `meta_info`. A key is either per output token
-(sliced with each streamed chunk) or request-level (sent once: with the first
-chunk of a streamed request, at the end of another), as the output streamer's
+the scheduler's `Req`) into its `meta_info`. A key is per output token by
+default (sliced with each streamed chunk: a prefill-only request, which
+reports no token, would send nothing, and the last chunk of a stream may
+carry no new token) or request-level (sent once: with the first chunk of a
+streamed request, at the end of another), as the output streamer's
 `is_request_level_customized_info_key` says; the plugin makes REPORT_KEY
-request-level. The tree sets the report when the request is released, just
-before its last chunk is streamed: a request without output (a prefill-only
-forced step, a command) under REPORT_KEY; a sampled one under
-REPORT_TOKENS_KEY, one copy per output token, so that whatever slice the
-last chunk carries ends with it. `report_of(meta_info)` reads it back.
+request-level. So the tree attaches what intake found when the request is
+first matched (before its first chunk), and adds what the chain holds after
+the request when it is released: a request without output (a prefill-only
+forced step, a command) or a non-streamed one sends that final report; a
+streamed sampled step has sent the intake part with its first chunk, and the
+runtime predicts the rest (the chain then holds the step's whole computed
+sequence). The tokenizer manager repeats a reported key in every later
+chunk's meta_info, so the runtime reads it from the last one
+(`report_of`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Optional
 
-from radix_ext.sglang.hints import REPORT_KEY, REPORT_TOKENS_KEY
+from radix_ext.sglang.hints import REPORT_KEY
 
 MAX_PENDING = 4096
 
@@ -46,26 +52,17 @@ class Reports:
 
 
 def attach(req: Any, report: Any) -> None:
-    """Hand `report` back in the request's meta_info."""
+    """Hand `report` back in the request's meta_info (replacing an earlier one
+    that has not been sent yet)."""
     info = dict(getattr(req, "customized_info", None) or {})
-    outputs = len(getattr(req, "output_ids", ()) or ())
-    finished_len = getattr(req, "finished_len", None)
-    if finished_len is not None:
-        outputs = min(outputs, finished_len)  # a prefill-only request samples one token it never reports
-    if outputs and not getattr(req, "is_prefill_only", False):
-        info[REPORT_TOKENS_KEY] = [report] * outputs
-    else:
-        info[REPORT_KEY] = [report]
+    info[REPORT_KEY] = [report]
     req.customized_info = info
 
 
 def report_of(meta_info: dict) -> Any:
     """The tree's report in a request's final meta_info; None when it has none."""
-    for key in (REPORT_KEY, REPORT_TOKENS_KEY):
-        values = [v for v in meta_info.get(key) or () if v is not None]
-        if values:
-            return values[-1]
-    return None
+    values = [v for v in meta_info.get(REPORT_KEY) or () if v is not None]
+    return values[-1] if values else None
 
 
 def is_request_level(original, streamer, key: str) -> bool:

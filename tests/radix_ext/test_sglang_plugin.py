@@ -18,7 +18,7 @@ from radix_ext.pools import PoolSpec, build_pools
 from radix_ext.sglang import platform
 from radix_ext.sglang.control import BadCommand, ChannelDown, ControlError, StaleCommand, result_of
 from radix_ext.sglang.hints import ACTION_TYPE, ACTION_VERSION, NO_HOLD, ChainIntent, command_envelope, intent_of
-from radix_ext.sglang.report import REPORT_KEY, REPORT_TOKENS_KEY, attach, report_of
+from radix_ext.sglang.report import REPORT_KEY, attach, report_of
 
 PAGE = 4
 
@@ -108,16 +108,13 @@ def test_factory_refuses_data_parallel_ranks():
         build(ctx)
 
 
-def test_reports_ride_customized_info_once_or_on_the_last_token():
-    prefill_only = SimpleNamespace(output_ids=[], customized_info=None)
-    attach(prefill_only, {"x": 1})
-    assert prefill_only.customized_info == {REPORT_KEY: [{"x": 1}]}
-    sampled = SimpleNamespace(output_ids=[5, 6, 7], customized_info={"other": [1, 2, 3]})
-    attach(sampled, {"x": 2})
-    assert sampled.customized_info[REPORT_TOKENS_KEY] == [{"x": 2}] * 3 and sampled.customized_info["other"]
-    # meta_info as the tokenizer manager accumulates it: whatever slice came last ends with the report
-    assert report_of({REPORT_TOKENS_KEY: [None, {"x": 2}]}) == {"x": 2}
-    assert report_of({REPORT_KEY: [{"x": 1}]}) == {"x": 1} and report_of({}) is None
+def test_reports_ride_a_request_level_key():
+    req = SimpleNamespace(output_ids=[], customized_info={"other": [1]})
+    attach(req, {"x": 1})
+    attach(req, {"x": 2})  # the release's fuller report replaces the intake's, if not sent yet
+    assert req.customized_info == {"other": [1], REPORT_KEY: [{"x": 2}]}
+    # meta_info as the tokenizer manager accumulates it: the last report counts
+    assert report_of({REPORT_KEY: [{"x": 1}, {"x": 2}]}) == {"x": 2} and report_of({}) is None
     with pytest.raises(ControlError, match="ProtocolError"):
         result_of({"v": 99})
 

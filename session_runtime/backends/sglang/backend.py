@@ -160,8 +160,11 @@ class SGLangBackend(Backend):
             attention_work=attention_work(n - cached - host_loaded, cached + host_loaded),
         )
         probes = [ProbeResult(logical_len=p[0], device_len=p[1]) for p in report.get("probes") or ()]
-        chain = None if "chain_tokens" not in report else ChainState(
-            tokens=int(report["chain_tokens"]), host_bytes=int(report.get("host_bytes", 0)),
+        # A streamed sampled step's report left with its first chunk: the chain then
+        # holds the step's whole computed sequence (radix_ext/sglang/report.py).
+        held = report.get("chain_tokens", len(computed) if req.hold_chain else None)
+        chain = None if held is None or not report else ChainState(
+            tokens=int(held), host_bytes=int(report.get("host_bytes", 0)),
             free_fraction=float(report.get("free_fraction", 1.0)))
         return StepResult(output=output, finish_reason=finish, sequence=computed, logprobs=logprobs,
                           accounting=accounting, timing=StepTiming(total_ms, total_ms, 0.0),
