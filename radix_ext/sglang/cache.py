@@ -57,6 +57,7 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
         self.offload = SchedulerHostTier()
         self.reports = Reports()  # rid -> what intake found for it (a command's answer, a step's probes)
         self.leases = Leases()
+        self._answered: set[str] = set()  # command requests answered at intake, to finish unrun
         self.commands = self.handlers()
 
     # ----- intake (the plugin's hook, every rank, between batches) --------------
@@ -74,6 +75,7 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
                 cmd = command_of(hints)
                 if cmd is not None:
                     self.reports.put(req.rid, answer(self.commands, cmd[0], cmd[1], scheduler))
+                    self._answered.add(req.rid)
                     continue
                 owner, intent = getattr(req, "session_id", None), intent_of(hints)
                 if owner and has_chain_action(hints):
@@ -82,6 +84,28 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
                     except Exception as exc:  # never into SGLang's loop: the step runs, its report says why
                         logger.exception("pre-actions of %s failed", req.rid)
                         self.reports.put(req.rid, {"error": f"{type(exc).__name__}: {exc}"})
+
+    def finish_commands(self, scheduler: Any) -> None:
+        """After the scheduler queued what it received (every rank): the command
+        requests answered at intake leave the queue and finish at once, with
+        their answers, without running the model (as SGLang finishes a request
+        it rejects at intake: `stream_output` of an unrun request)."""
+        if not self._answered:
+            return
+        answered, self._answered = self._answered, set()
+        queue = getattr(scheduler, "waiting_queue", None)
+        if queue is None:
+            return
+        done = [r for r in queue if getattr(r, "rid", None) in answered]
+        if not done:
+            return
+        queue[:] = [r for r in queue if getattr(r, "rid", None) not in answered]
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+        for req in done:
+            attach(req, self.reports.pop(req.rid))
+            req.finished_reason = FINISH_LENGTH(length=0)
+        scheduler.output_streamer.stream_output(done, False)
 
     def _before(self, owner: str, intent, req) -> dict:
         ns = Namespace(getattr(req, "extra_key", None), getattr(req, "cache_salt", None) or None)
@@ -240,7 +264,7 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
         # /flush_cache drops every node: the chains and private pages go with
         # them (the allocator is cleared right after).
         super().reset()
-        for name in ("chains", "tails", "_offers", "_kept", "reports", "leases"):
+        for name in ("chains", "tails", "_offers", "_kept", "reports", "leases", "_answered"):
             if hasattr(self, name):
                 getattr(self, name).clear()
         if hasattr(self, "offload"):

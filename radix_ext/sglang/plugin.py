@@ -1,6 +1,7 @@
 """Entry point of `sglang.srt.plugins`: registers the `session` radix-cache
-backend, the hook through which it sees each request at intake, and the one
-that makes its per-request report a request-level `meta_info` key.
+backend, the hooks through which it sees each request at intake (and
+finishes command requests there, unrun), and the one that makes its
+per-request report a request-level `meta_info` key.
 
 SGLang calls `register()` with no arguments in every process, before the tree
 cache is built. The intake hook runs before `Scheduler.process_input_requests`,
@@ -26,7 +27,17 @@ def register() -> None:
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build)
         HookRegistry.register(HOOK_TARGET, intake, HookType.BEFORE)
+        HookRegistry.register(HOOK_TARGET, finish_commands, HookType.AFTER)
         HookRegistry.register(REPORT_HOOK_TARGET, is_request_level, HookType.AROUND)
+
+
+def finish_commands(result, scheduler, *args, **kwargs):
+    """AFTER hook: the command requests just queued finish at once, answered,
+    without a forward pass."""
+    cache = getattr(scheduler, "tree_cache", None)
+    if hasattr(cache, "finish_commands"):
+        cache.finish_commands(scheduler)
+    return None
 
 
 def intake(scheduler, recv_reqs=None, *args, **kwargs):

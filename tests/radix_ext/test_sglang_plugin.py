@@ -125,7 +125,9 @@ def test_reports_ride_a_request_level_key():
 class InProcessCommands:
     """Sends each command as SGLang delivers a command request to the tree:
     intake (the hook before process_input_requests) on the scheduler's thread,
-    then the request's release, whose report is read back as the runtime does."""
+    the request queued, then finish_commands (the hook after it), which takes
+    it out of the queue and streams it, answered, unrun; the answer is read
+    back as the runtime does."""
 
     def __init__(self, cache, scheduler, lock):
         from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
@@ -138,11 +140,15 @@ class InProcessCommands:
         rid = f"cmd-{next(self._ids)}"
         hints = self._decode(command_envelope(rid, name, args))
         req = SimpleNamespace(rid=rid, kv_hints=hints, session_id=None, input_ids=[0], output_ids=[],
-                              customized_info=None, last_node=None, finished_reason=SimpleNamespace())
+                              customized_info=None, last_node=None, finished_reason=None)
+        streamed = []
         with self.lock:
+            self.scheduler.output_streamer = SimpleNamespace(stream_output=lambda reqs, lp: streamed.extend(reqs))
             self.cache.intake(self.scheduler, [req])
-            self.cache.on_release(req, checkpointed=True)
+            self.scheduler.waiting_queue.append(req)  # what process_input_requests does with it
+            self.cache.finish_commands(self.scheduler)
             self.served += 1
+        assert streamed == [req] and req not in self.scheduler.waiting_queue and req.finished_reason is not None
         return result_of(report_of({REPORT_KEY: req.customized_info[REPORT_KEY]}))
 
 
