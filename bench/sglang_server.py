@@ -645,15 +645,15 @@ class RuntimeAgents:
             return lat, step.accounting.output_tokens if self.forced is None else len(step.output_ids)
 
         backend = rt.backend
-        before = (backend.control.calls, backend.after.sent, backend.renewals)
+        before = (backend.waited_commands, backend.after.sent, backend.renewals)
         try:
             out = drive(c, duration, step_fn)
-            calls, after, renewals = (a - b for a, b in zip(
-                (backend.control.calls, backend.after.sent, backend.renewals), before))
+            waited, after, renewals = (a - b for a, b in zip(
+                (backend.waited_commands, backend.after.sent, backend.renewals), before))
             # Commands (server round trips besides each step's /generate) made while
-            # the steps ran: on a step's path, or sent after it answered (off its path).
-            out["commands"] = {"on_step_path": calls - after - renewals, "after_step": after,
-                               "lease_renewals": renewals}
+            # the steps ran: waited for (on a step's path: creating and stepping a
+            # conversation makes none), or sent after a step answered (off its path).
+            out["commands"] = {"on_step_path": waited, "after_step": after, "lease_renewals": renewals}
             return out
         finally:
             for cid in self.cids:

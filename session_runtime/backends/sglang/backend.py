@@ -60,6 +60,7 @@ class SGLangBackend(Backend):
         self.holder = uuid.uuid4().hex  # this runtime process, for the chains' lease
         self.lease_s = lease_s
         self.renewals = 0
+        self.waited_commands = 0  # commands a caller waited for (none on a step's path)
         self.page_size = page_size
         self.capacity = capacity
         self.bytes_per_token = bytes_per_token
@@ -299,8 +300,10 @@ class SGLangBackend(Backend):
     # ----- the tree, by command requests ---------------------------------------
 
     def _call(self, name: str, **args):
-        """A command, after what is queued for after earlier steps (`after.py`)."""
+        """A command, after what is queued for after earlier steps (`after.py`);
+        the caller waits for it (`waited_commands` counts them)."""
         self.after.settle()
+        self.waited_commands += 1
         return self._send(name, **args)
 
     def _send(self, name: str, **args):
