@@ -105,7 +105,13 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
         for req in done:
             attach(req, self.reports.pop(req.rid))
             req.finished_reason = FINISH_LENGTH(length=0)
-        scheduler.output_streamer.stream_output(done, False)
+        try:
+            scheduler.output_streamer.stream_output(done, False)
+        except Exception:  # never into SGLang's loop: let them run as requests, their answers attached
+            logger.exception("finishing %d command requests unrun failed; they run instead", len(done))
+            for req in done:
+                req.finished_reason = None
+            queue.extend(done)
 
     def _before(self, owner: str, intent, req) -> dict:
         ns = Namespace(getattr(req, "extra_key", None), getattr(req, "cache_salt", None) or None)

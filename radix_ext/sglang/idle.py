@@ -64,6 +64,7 @@ class IdleChains:
         if cache.offload.host is not None and cache.offload.demote(cache, owner, idle=True):
             self.stats[f"{why}_demoted"] += 1
             return
+        cache.offload.forget(owner)  # a host copy hangs from the chain: it goes with it
         cache.release_chain(owner)
         self.stats[f"{why}_released"] += 1
 

@@ -79,7 +79,8 @@ class SchedulerHostTier:
         if entry is None:
             return {"anchor": 0, "tokens": 0}
         start, end = entry.anchor_tokens, entry.anchor_tokens + len(entry.tokens)
-        if cache.chain_tokens(owner) != start or list(key.token_ids[start:end]) != list(entry.tokens):
+        if (owner not in cache.chains or cache.chain_tokens(owner) != start
+                or list(key.token_ids[start:end]) != list(entry.tokens)):  # its chain is gone or moved: stale
             self.host.take(owner)
             self.host.stats.lost_tokens += len(entry.tokens)
             return {"anchor": 0, "tokens": 0}
@@ -90,8 +91,12 @@ class SchedulerHostTier:
         if slots is None:
             return {"anchor": 0, "tokens": 0}
         t = time.perf_counter()
-        self.mover.to_device(entry.kv, slots[: len(entry.tokens)])
-        prefix_len = cache.restore_tail(owner, key[:end], slots)
+        try:
+            self.mover.to_device(entry.kv, slots[: len(entry.tokens)])
+            prefix_len = cache.restore_tail(owner, key[:end], slots)
+        except BaseException:  # nothing it allocated may leak: SGLang's idle check would stop the server
+            cache.token_to_kv_pool_allocator.free(slots)
+            raise
         if prefix_len > start:  # someone cached the same tokens meanwhile
             cache.token_to_kv_pool_allocator.free(slots[: prefix_len - start])
         self.host.record_promote(entry, timed_ms(t))

@@ -433,3 +433,19 @@ def test_a_chain_whose_runtime_stops_renewing_its_lease_returns_to_the_lru(serve
     assert set(cache.chains) == {"a", "other"}
     assert cache.leases.holder_of == {"a": "runtime-2", "other": "runtime-3"}
     client.call("check")
+
+
+def test_a_host_copy_whose_chain_is_gone_is_dropped_not_promoted(served_cache):
+    """A host copy whose chain was released meanwhile (pressure, a lease) is
+    stale: promoting it allocates nothing and leaks nothing."""
+    cache, client, pools, lock = served_cache
+    tokens = list(range(700, 712))
+    _finish(cache, pools, lock, "t", tokens)
+    assert client.call("demote", owner="t", host_tokens=64)["tokens"] > 0
+    with lock:
+        cache.release_chain("t")  # what an older idle retirement did, leaving the host copy behind
+        free = pools.allocator.available_size()
+    nothing = {"anchor": 0, "tokens": 0, "shared": False, "on_host": False}
+    assert client.call("promote", owner="t", tokens=tokens + [1]) == nothing
+    assert pools.allocator.available_size() == free
+    client.call("check")
