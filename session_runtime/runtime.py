@@ -425,6 +425,10 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up, and every chain has a conversation."""
         self.backend.check_integrity()
+        self._check_chains()
+
+    def _check_chains(self) -> None:
+        """Every chain the backend holds has a conversation here."""
         for cid in self.backend.chain_lengths():
             with self._lock:
                 assert cid in self.conversations, f"chain {cid} has no conversation"

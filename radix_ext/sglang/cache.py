@@ -116,20 +116,17 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
     def _before(self, owner: str, intent, req) -> dict:
         ns = Namespace(getattr(req, "extra_key", None), getattr(req, "cache_salt", None) or None)
         ids = list(req.input_ids or ())
-        probes = []
-        for shared, tail in intent.probes:
-            tokens = ids[:shared] + list(tail)
-            r = self.probe(ns.key(tokens[: max(len(tokens) - 1, 0)]))
-            probes.append([r.logical_len, r.device_len])
+        def probe(tokens: list[int]):  # the last token is always computed for its logits
+            return self.probe(ns.key(tokens[: max(len(tokens) - 1, 0)]))
+
+        probes = [[r.logical_len, r.device_len] for r in (probe(ids[:shared] + list(tail))
+                                                          for shared, tail in intent.probes)]
         promoted = {"anchor": 0, "tokens": 0}
         if intent.promote:
             promoted = self._cmd_promote({"owner": owner, "tokens": ids, "share": intent.share,
                                           "extra_key": ns.extra_key, "cache_salt": ns.cache_salt}, None)
-        logical = self.probe(ns.key(ids[: max(len(ids) - 1, 0)])).logical_len
-        alloc = self.token_to_kv_pool_allocator
-        return {"probes": probes, "promoted": promoted, "logical_len": logical,
-                "host_bytes": self.offload.bytes_of(owner),
-                "free_fraction": (alloc.available_size() + self.evictable_size()) / max(self.capacity, 1)}
+        return {"probes": probes, "promoted": promoted, "logical_len": probe(ids).logical_len,
+                "host_bytes": self.offload.bytes_of(owner), "free_fraction": self.free_fraction()}
 
     # ----- per-request hooks (called by SGLang's scheduler) -------------------
 
@@ -229,14 +226,13 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
 
     def _chain_report(self, owner: str) -> dict:
         """What a step's answer says about its chain and the pool after it."""
-        alloc = self.token_to_kv_pool_allocator
         return {"chain_tokens": self.chain_tokens(owner), "private": owner in self.tails,
-                "host_bytes": self.offload.bytes_of(owner), "on_host": self._on_host(owner),
-                "free_fraction": (alloc.available_size() + self.evictable_size()) / max(self.capacity, 1)}
+                "host_bytes": self.offload.bytes_of(owner), "on_host": self.offload.holds(owner),
+                "free_fraction": self.free_fraction()}
 
-    def _on_host(self, owner: str) -> bool:
-        host = self.offload.host
-        return host is not None and host.peek(owner) is not None
+    def free_fraction(self) -> float:
+        """Device slots free or evictable, over the pool."""
+        return (self.token_to_kv_pool_allocator.available_size() + self.evictable_size()) / max(self.capacity, 1)
 
     def release_chain(self, owner: str) -> None:
         super().release_chain(owner)

@@ -158,8 +158,7 @@ class Commands:
         shared = not got["tokens"] and share
         if shared:
             got = self.offload.share(self, owner, key)
-        host = self.offload.host
-        return {**got, "shared": shared, "on_host": host is not None and host.peek(owner) is not None}
+        return {**got, "shared": shared, "on_host": self.offload.holds(owner)}
 
     def _cmd_host(self, args: dict, scheduler: Any) -> dict:
         return {"bytes": self.offload.bytes_of(_owner(args)), **self.offload.stats()}

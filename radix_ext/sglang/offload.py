@@ -136,6 +136,10 @@ class SchedulerHostTier:
         if self.host is not None:
             self.host.take(owner)
 
+    def holds(self, owner: str) -> bool:
+        """Is a copy of the owner's tail on the host?"""
+        return self.host is not None and self.host.peek(owner) is not None
+
     def bytes_of(self, owner: str) -> int:
         return 0 if self.host is None else self.host.bytes_of(owner)
 

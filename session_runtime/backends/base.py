@@ -229,7 +229,8 @@ class Backend(ABC):
         runtime and releases every other one."""
 
     def integrity(self) -> dict:
-        """What the last check_integrity found, for operators (ranks compared, ...)."""
+        """check_integrity, and what it found, for operators (ranks compared, ...)."""
+        self.check_integrity()
         return {"ranks": 1}
 
     def available(self) -> bool:

@@ -33,6 +33,7 @@ from session_runtime.accounting import StepAccounting, attention_work
 from session_runtime.backends.base import Backend, ChainState, StepRequest, StepResult, StepTiming
 from session_runtime.backends.sglang.after import OwnerQueue
 from session_runtime.backends.sglang.control_client import RequestControl
+from session_runtime.turns import common_prefix
 from session_runtime.errors import BackendUnavailable, ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.metrics import Sample, gauge
 
@@ -474,13 +475,8 @@ def sse_chunks(lines):
 
 def _relative(probe: Sequence[int], prompt: list[int]) -> tuple[int, list[int]]:
     """A probe prompt as (tokens it shares with the step's prompt, the rest)."""
-    probe = list(probe)
-    shared = 0
-    for a, b in zip(probe, prompt):
-        if a != b:
-            break
-        shared += 1
-    return shared, probe[shared:]
+    shared = common_prefix(probe, prompt)
+    return shared, list(probe[shared:])
 
 
 def _ns(namespace: Namespace) -> dict:
