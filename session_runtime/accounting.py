@@ -31,6 +31,9 @@ class StepAccounting:
     # Upstream proxy mode: the provider's usage, and what the outbound stripper
     # did (tokens and bytes stripped, the reasoning share of the request).
     upstream: Optional[dict] = None
+    # Why each uncached prompt token was prefilled: [{reason, tokens}] summing to
+    # uncached_prefill_tokens (uncached.py); None where that is not known (upstream).
+    uncached: Optional[list] = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

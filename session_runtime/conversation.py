@@ -17,6 +17,7 @@ from session_runtime.accounting import StepAccounting
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.templates.base import Message, ToolCall
+from session_runtime.uncached import Known, totals as uncached_totals
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class TurnRecord:
     def totals(self) -> dict:
         keys = ("prompt_tokens", "cached_input_tokens", "uncached_prefill_tokens",
                 "recomputed_history_tokens", "output_tokens", "host_loaded_tokens", "attention_work")
-        return {k: sum(getattr(s, k) for s in self.steps) for k in keys}
+        out = {k: sum(getattr(s, k) or 0 for s in self.steps) for k in keys}
+        return {**out, "uncached": uncached_totals([s.uncached for s in self.steps])}
 
     def as_dict(self) -> dict:
         return {
@@ -99,6 +101,14 @@ class Conversation:
     shadows: dict = field(default_factory=dict, compare=False)
     version: int = 0  # bumped by every committed step and every adopted history
     worker: Optional[str] = None  # many SGLang workers: the one that holds its chain
+    # What the runtime knew of its KV after the last step, for the next step's
+    # `uncached` reasons (uncached.py). Not persisted: a restored conversation
+    # starts from `restored_known`.
+    known: Known = field(default_factory=Known, compare=False)
+
+    def restored_known(self) -> Known:
+        """After a restart: the history its steps computed is lost with the old process's KV."""
+        return Known(history_computed=any(t.steps for t in self.turns), lost="backend_lost")
 
     @property
     def closed_turns(self) -> int:

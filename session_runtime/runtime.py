@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import threading
 import uuid
 from pathlib import Path
@@ -67,6 +68,7 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
         if self.config.data_dir:
             self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
             for conv, size in self.store.load_all_sized():
+                conv.known = conv.restored_known()
                 self.conversations[conv.id] = conv
                 self._conv_locks[conv.id] = threading.Lock()
                 self._sized(conv, size)
@@ -222,7 +224,11 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
             return False
         self.materializer.cancel(conv.id)
         conv.system, conv.tools = system, tools
+        computed = conv.chain_tokens
         importer.adopt(conv, tpl, messages)
+        # What differs from the sequence computed before is the client's history, not ours.
+        conv.known = dataclasses.replace(conv.known, sequence=computed, history_computed=False,
+                                         diverged="history_replaced" if computed else "first_seen")
         conv.version += 1
         return True
 

@@ -20,6 +20,7 @@ from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
 from session_runtime.templates import Message, Template, ToolCall
 from session_runtime import turns as turn_rules
+from session_runtime.uncached import Known, attribute
 from session_runtime.request_checks import _utf8
 
 
@@ -80,6 +81,7 @@ class StepPath:
         first = new[0].role == "user"
         self.materializer.user_enter()
         wait = self.offload.wait_ended(conv.id)  # the tool wait is over: no demotion now
+        worker = conv.worker
         job = None
         try:
             # A pending materialization is cancelled, a running one joined.
@@ -132,7 +134,11 @@ class StepPath:
             conv.__dict__.update(before.__dict__)
 
         try:
-            step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual)
+            known = self._known_before(conv, worker)
+            # The system prompt and tools are history too, for the reasons (first_seen).
+            before_new = history_len if conv.history else len(tpl.render(conv.system, conv.tools, [], keep, False).ids)
+            step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual,
+                                before_new, known)
         except BaseException:
             undo()
             raise
@@ -157,7 +163,22 @@ class StepPath:
         return {name: turn_rules.counterfactual_entry(prompt, probe, conv.shadows.get(name, ()))
                 for name, prompt, probe in zip(self._RULES, prompts, probes)}
 
-    def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual) -> Step:
+    def _known_before(self, conv: Conversation, worker: Optional[str]) -> Known:
+        """What the runtime knew of the conversation's KV when the step started,
+        with what happened to it since: a move to another worker, a tool wait
+        under an offload policy that discards, a canonical branch built."""
+        known = conv.known
+        now = self.backend.worker_of(conv.id)
+        if worker is not None and now is not None and now != worker:
+            known = dataclasses.replace(known, lost="backend_lost")
+        elif conv.protocol is not None and conv.offload is not None and conv.offload.mode == "discard":
+            known = dataclasses.replace(known, lost="discarded")
+        if conv.canonical_kind == "canonical":
+            known = dataclasses.replace(known, history_computed=True)
+        return known
+
+    def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual,
+                history_len: int = 0, known: Optional[Known] = None) -> Step:
         """Record a successful step in every layer, then close the turn if it ended."""
         step_index = 0 if new[0].role == "user" else len(conv.turns[-1].steps)
         parsed = tpl.parse_output(result.output, f"call_{turn}_{step_index}")
@@ -169,6 +190,13 @@ class StepPath:
                             tool_calls=parsed.tool_calls, output_ids=tuple(result.output),
                             wire=result.wire.wire if result.wire is not None else "")
         acc = result.accounting
+        if known is not None and acc.uncached_prefill_tokens is not None and not self.backend.wants_transcript:
+            acc = dataclasses.replace(acc, uncached=attribute(
+                prompt, history_len, acc.uncached_prefill_tokens, acc.alignment_loss_tokens, known))
+        # What the next step will know: this sequence was computed; history past it
+        # that is not the next step's input was rewritten by the policy.
+        conv.known = Known(sequence=result.sequence, diverged="policy_fork",
+                           kept=None if conv.policy.caches_output else len(prompt))
         if new[0].role == "user":
             prev = conv.turns[-1] if conv.turns else None
             state = turn_rules.cache_state((acc.cached_input_tokens or 0) + acc.host_loaded_tokens,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 from session_runtime.replay.formats import load
-from session_runtime.replay.report import describe_run, totals_table
+from session_runtime.replay.report import describe_run, reasons_table, totals_table
 from session_runtime.replay.run import ReplayError, ReplayResult, RunSpec, replay
 from session_runtime.replay.trace import Trace, TraceError
 
@@ -108,6 +108,7 @@ def describe_trace(tr: TraceRuns, setup: str) -> str:
         lines += ["", describe_run(r)]
     if len(tr.results) > 1:
         lines += ["", "== totals ==", totals_table(tr.results)]
+    lines += ["", "== why each prefilled token was prefilled ==", reasons_table(tr.results)]
     return "\n".join(lines)
 
 
@@ -116,4 +117,5 @@ def describe_aggregate(runs: Sequence[TraceRuns]) -> str:
         f"== all {len(runs)} traces: totals per policy ==",
         totals_table(aggregate(runs)),
         "(every column is the sum over the traces; context: the sum of their final contexts; hit% of the sums)",
+        "", "== why each prefilled token was prefilled ==", reasons_table(aggregate(runs)),
     ])

@@ -7,6 +7,7 @@ from typing import Sequence
 
 
 from session_runtime.replay.run import ReplayResult
+from session_runtime.uncached import REASONS
 
 
 # ----- tables -------------------------------------------------------------------------
@@ -79,6 +80,14 @@ def totals_table(results: Sequence[ReplayResult]) -> str:
         t["hit"] = round(100 * t["cached"] / t["prompt"], 1) if t["prompt"] else 0.0
         rows.append([t[k] for k, _ in TOTAL_COLUMNS])
     return format_table([h for _, h in TOTAL_COLUMNS], rows)
+
+
+def reasons_table(results: Sequence[ReplayResult]) -> str:
+    """Why the prefilled tokens were prefilled: one row per run, one column per
+    reason (uncached.py); the reasons sum to the run's prefill."""
+    rows = [[r.spec.label, r.totals()["prefill"], *(r.totals().get(f"uncached_{k}", 0) for k in REASONS)]
+            for r in results]
+    return format_table(["policy", "prefill", *REASONS], rows)
 
 
 def describe_run(result: ReplayResult) -> str:

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from session_runtime.uncached import totals as uncached_totals
 from session_runtime.policies import MATERIALIZE_MODES, POLICIES
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ class ReplayResult:
             "cf_keep": sum(r["cf_keep"] or 0 for r in rows),
             "cf_drop": sum(r["cf_drop"] or 0 for r in rows),
             "attention_work": s("attention_work"),
+            **{f"uncached_{reason}": tokens
+               for reason, tokens in uncached_totals([a.uncached for a in steps]).items()},
         }
 
     def as_dict(self) -> dict:
