@@ -7,6 +7,9 @@ worker) without a server."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +29,7 @@ def acc(ttft_ms: float) -> StepAccounting:
         logical_reusable_tokens=4, alignment_loss_tokens=0, recomputed_history_tokens=1,
         active_context_length=12, output_tokens=2, kv_device_bytes=0, kv_host_bytes=0,
         prefill_ms=1.0, ttft_ms=ttft_ms, tpot_ms=1.0, attention_work=45,
+        uncached=[{"reason": "new_input", "tokens": 5}, {"reason": "evicted", "tokens": 1}],
     )
 
 
@@ -48,6 +52,11 @@ def test_histograms_are_in_seconds_and_cumulative_and_counters_add_up():
     assert s["session_runtime_prefill_tokens_total"] == 18
     assert s["session_runtime_cached_input_tokens_total"] == 12
     assert s["session_runtime_step_errors_total"] == 1
+    # Uncached tokens by reason: every reason a series, the reasons summing to the prefill.
+    from session_runtime.uncached import REASONS
+    by_reason = {r: s[f'session_runtime_uncached_tokens_total{{reason="{r}"}}'] for r in REASONS}
+    assert by_reason == {**dict.fromkeys(REASONS, 0), "new_input": 15, "evicted": 3}
+    assert sum(by_reason.values()) == s["session_runtime_prefill_tokens_total"]
     assert s["session_runtime_pool_free_tokens"] == 7
     assert "# TYPE session_runtime_pool_free_tokens gauge\n" in text
     assert "# HELP session_runtime_pool_free_tokens Free KV slots\n" in text
@@ -65,7 +74,8 @@ def test_series_of_a_family_are_grouped_labelled_and_escaped():
     s = parse(text)
     assert s['session_runtime_pool_free_tokens{worker="w0"}'] == 7
     assert s['session_runtime_pool_free_tokens{worker="w"1"}'] == 12345678  # the parser unescapes
-    assert 'session_runtime_pool_free_tokens{worker="w\\"1"} 12345678\n' in text  # never 1.23457e+07
+    # prometheus_client writes large values in exponent form, every digit kept (never 1.23457e+07).
+    assert 'session_runtime_pool_free_tokens{worker="w\\"1"} 1.2345678e+07\n' in text
     assert "# HELP session_runtime_moved_total Moved\\nback \"slash\" \\\\\n" in text
     assert text.count("# TYPE session_runtime_pool_free_tokens gauge\n") == 1
 
@@ -98,7 +108,7 @@ def test_offload_totals_are_counters_in_tokens_bytes_and_seconds():
         rt.send_tool_results(cid, [{"tool_call_id": step.tool_calls[0]["id"], "content": "ok"}],
                              forced={"reasoning": words(3), "content": words(4)})
         text = Metrics().render(rt.metric_samples())
-        s = parse(text)
+        s = parse(text)  # the step counters and histograms are in every /metrics text
         stats = rt.engine.host.stats
         per_token = rt.engine.bytes_per_token
         assert s["session_runtime_offload_demoted_tokens_total"] == 153
@@ -122,8 +132,34 @@ def test_offload_totals_are_counters_in_tokens_bytes_and_seconds():
             assert f"# TYPE session_runtime_{name} gauge\n" in text
         assert (s["session_runtime_pool_capacity_tokens"], s["session_runtime_host_capacity_tokens"]) == (4096, 2048)
         assert (s["session_runtime_backend_up"], s["session_runtime_conversations"]) == (1, 1)
+        assert_dashboard_names_exported(s)
     finally:
         rt.close()
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "dashboard.json"
+
+
+def assert_dashboard_names_exported(series: dict[str, float]) -> None:
+    """Every query of the shipped Grafana dashboard names only series that
+    /metrics exports (here: the embedded engine's, which has every family the
+    dashboard draws), and the dashboard is Grafana 10+ JSON with a Prometheus
+    data source variable."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["schemaVersion"] >= 38 and dash["templating"]["list"][0]["type"] == "datasource"
+    exported = {key.split("{")[0] for key in series}
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    for expr in exprs:
+        names = re.findall(r"\bsession_runtime_[a-z_]+", expr)
+        assert names, expr
+        assert set(names) <= exported, f"{expr}: {set(names) - exported} not exported"
+    drawn = {n for e in exprs for n in re.findall(r"\bsession_runtime_[a-z_]+", e)}
+    for needed in ("session_runtime_uncached_tokens_total", "session_runtime_time_to_first_token_seconds_bucket",
+                   "session_runtime_step_latency_seconds_bucket", "session_runtime_pool_free_tokens",
+                   "session_runtime_host_used_tokens", "session_runtime_materialized_total",
+                   "session_runtime_offload_demoted_tokens_total"):
+        assert needed in drawn, needed
 
 
 # ----- the SGLang backends, without a server -----------------------------------
