@@ -108,6 +108,9 @@ class RuntimeConfig:
     device: str = "cpu"
     dtype: str = "float32"
     attention: str = "auto"  # one of ATTENTION_BACKENDS
+    # False: the embedded engine runs no model, only its shape (replay --no-model:
+    # every step forced; a step that would sample is refused).
+    run_model: bool = True
     page_size: int = 16
     pool_tokens: int = 65536
     # Host-tier capacity for offloaded KV; None: 4x pool_tokens, at most a

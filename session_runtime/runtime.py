@@ -109,7 +109,8 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
             with self._lock:
                 conv, lock = self.conversations.get(cid), self._conv_locks.get(cid)
             if conv is not None and lock is not None and lock.acquire(blocking=False):
-                try:  # a step under way persists the new placement itself
+                try:  # a step under way persists the new placement itself (and sees the move)
+                    conv.known = dataclasses.replace(conv.known, lost="backend_lost")
                     self._persist(conv)
                 finally:
                     lock.release()

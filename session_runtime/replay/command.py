@@ -45,6 +45,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pool-tokens", type=int, default=d.pool_tokens)
     parser.add_argument("--max-context", type=int, default=None, help="default: the model's own limit")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--no-model", action="store_true",
+                        help="run no model: every step's output is forced, so the accounting depends only on the "
+                             "tokens, the page size and the pool; the same numbers, at the speed of tokenization "
+                             "(the model's shape still sizes the pools and the KV figures)")
     parser.add_argument("--json", metavar="PATH", help="also write every run's per-step accounting as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     analysis.add_arguments(parser)  # --cost-model, the clock, --plot
@@ -86,7 +90,7 @@ def run_command(args, out=None, err=None) -> int:
     try:
         config = RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                                pool_tokens=args.pool_tokens, max_context=args.max_context, seed=args.seed,
-                               template=args.template,
+                               template=args.template, run_model=not args.no_model,
                                # A trace's tools are replayed as recorded: the serving limits
                                # protect a shared server from its tenants, not from a local file.
                                max_tools=0, max_tools_bytes=0, max_tenant_bytes=0)
@@ -121,7 +125,8 @@ def run_command(args, out=None, err=None) -> int:
         rt.close()
     config = rt.config  # with the template resolved (auto -> deepseek or qwen3)
 
-    setup = f"model {config.model}, template {config.template}, page size {config.page_size}"
+    setup = (f"model {config.model}{' (its shape only: --no-model)' if args.no_model else ''}, "
+             f"template {config.template}, page size {config.page_size}")
     analyses = [analysis.analyze(tr.trace, tr.results, rt.template(tr.results[0].template), cost, clock)
                 for tr in runs]
     print("\n\n".join(describe_trace(tr, setup) + "\n\n" + a.text() for tr, a in zip(runs, analyses)), file=out)

@@ -170,6 +170,9 @@ class Engine(HostTierOps, Backend):
                 f"prompt of {n} tokens (plus {len(req.forced or ())} forced) does not fit the context "
                 f"limit of {self.config.max_context}"
             )
+        if req.forced is None and not getattr(self.decoder, "samples", True):
+            raise InvalidRequest("this engine runs no model (replay --no-model): it replays forced output only, "
+                                 "and this step would sample")
         vocab = self.decoder.cfg.vocab_size
         if max(req.prompt) >= vocab or min(req.prompt) < 0 or (
             req.forced and (max(req.forced) >= vocab or min(req.forced) < 0)
