@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -109,6 +110,16 @@ class Conversation:
     def restored_known(self) -> Known:
         """After a restart: the history its steps computed is lost with the old process's KV."""
         return Known(history_computed=any(t.steps for t in self.turns), lost="backend_lost")
+
+    def snapshot(self) -> "Conversation":
+        """What a failed step goes back to (`conv.__dict__.update(snap.__dict__)`):
+        the lists a step extends and the turn records it changes are copied; the
+        messages, accounting and token lists, which a step replaces and never
+        changes, are shared. Pointers per message and turn: no token is copied."""
+        snap = copy.copy(self)
+        snap.history, snap.trace, snap.tools = list(self.history), list(self.trace), list(self.tools)
+        snap.turns = [dataclasses.replace(t, steps=list(t.steps)) for t in self.turns]
+        return snap
 
     @property
     def closed_turns(self) -> int:

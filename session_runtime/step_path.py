@@ -7,7 +7,6 @@ its conversation's lock held."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from typing import Callable, Optional
@@ -123,7 +122,7 @@ class StepPath:
             raise
         finally:
             self.materializer.user_exit()
-        before = copy.deepcopy(conv)  # what a failed commit or save goes back to
+        before = conv.snapshot()  # what a failed commit or save goes back to
 
         def undo() -> None:
             # Not committed, not done: the conversation is as before the step (a

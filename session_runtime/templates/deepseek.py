@@ -11,6 +11,7 @@ assistant messages replay their generated ids; a turn that drops it renders
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Optional, Sequence
@@ -102,6 +103,12 @@ class DeepSeekTemplate:
         self.assistant = tok.token_id("<｜Assistant｜>")
         self.think = tok.token_id("<think>")
         self.end_think = tok.token_id("</think>")
+        # A render walks every message of the conversation, and each step renders
+        # it a few times: an assistant message's spans are a function of its ids
+        # and whether it keeps its reasoning, a run of tool results' ids of their
+        # texts. Both memoized per template (the tokenizer memoizes text too).
+        self._assistant_spans = functools.lru_cache(maxsize=16384)(self._assistant_spans_of)
+        self._results_ids = functools.lru_cache(maxsize=16384)(self._results_ids_of)
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -141,14 +148,18 @@ class DeepSeekTemplate:
         return out
 
     def _render_assistant(self, out: Rendered, msg: Message, keep: bool) -> None:
-        parsed = self.parse_output(msg.output_ids, "")
+        for kind, ids in self._assistant_spans(tuple(msg.output_ids), keep):
+            out.add(kind, ids)
+
+    def _assistant_spans_of(self, output_ids: tuple[int, ...], keep: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        parsed = self.parse_output(output_ids, "")
         if keep:  # inside the open turn: exactly the generated sequence
-            out.add("reasoning", parsed.reasoning_ids)
-            out.add("reasoning_end", [self.end_think] if self.end_think in msg.output_ids else [])
-            out.add("answer", parsed.answer_ids)
+            spans = [("reasoning", parsed.reasoning_ids),
+                     ("reasoning_end", [self.end_think] if self.end_think in output_ids else []),
+                     ("answer", parsed.answer_ids)]
         else:  # a closed turn that dropped its reasoning: the official rendering
-            out.add("answer", self._official_answer(parsed))
-        out.add("eos", [self.eos])
+            spans = [("answer", self._official_answer(parsed))]
+        return tuple((kind, tuple(ids)) for kind, ids in (*spans, ("eos", [self.eos])))
 
     def _official_answer(self, parsed: ParsedOutput) -> list[int]:
         """The answer's ids as the official renderer tokenizes its text (content
@@ -159,11 +170,14 @@ class DeepSeekTemplate:
             else parsed.answer_ids
 
     def _render_results(self, out: Rendered, results: Sequence[Message], keep: bool) -> None:
-        pieces: list[Piece] = [("\n\n<function_results>", True)]
-        for m in results:
-            pieces += [("\n<result>", True), (m.content, False), ("</result>", True)]
-        out.add("tool_result", self.tok.encode_pieces([*pieces, ("\n</function_results>\n\n", True)]))
+        out.add("tool_result", self._results_ids(tuple(m.content for m in results)))
         self._marker(out, keep)
+
+    def _results_ids_of(self, contents: tuple[str, ...]) -> tuple[int, ...]:
+        pieces: list[Piece] = [("\n\n<function_results>", True)]
+        for content in contents:
+            pieces += [("\n<result>", True), (content, False), ("</result>", True)]
+        return tuple(self.tok.encode_pieces([*pieces, ("\n</function_results>\n\n", True)]))
 
     def forced_ids(self, reasoning: str, content: str, tool_calls: Sequence[ToolCall] = ()) -> list[int]:
         """Ids of an assistant output given as text (trace replay, client history)."""
