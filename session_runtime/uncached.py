@@ -5,11 +5,12 @@ is cut by what the runtime knew of the conversation before the step (`Known`):
 
 - tokens this runtime computed for the conversation (the previous step's fed
   sequence, or the whole history when a canonical branch or a previous run
-  computed it) that were not reused: the first `alignment_loss` of them are
-  held but sit in a page that could not be shared (`page_alignment`); the rest
-  were lost, and `Known.lost` says how (`evicted`, `discarded`,
-  `backend_lost`); what a baseline policy never caches (its output) is
-  `policy_fork`;
+  computed it) that were not reused were lost, and `Known.lost` says how
+  (`evicted`, `discarded`, `backend_lost`); of a `backend_lost` run, the first
+  `alignment_loss` are held on the new worker but sit in a page it could not
+  share (`page_alignment`: a token that fits two reasons takes the first in
+  the order of REASONS, which puts evicted and discarded before it); what a
+  baseline policy never caches (its output) is `policy_fork`;
 - history past what was computed: never computed for this conversation, and
   `Known.diverged` says why (`first_seen`, `policy_fork`, `history_replaced`);
 - the step's own input (`new_input`): its new messages with the template's
@@ -69,7 +70,10 @@ def attribute(prompt: Sequence[int], history_len: int, uncached: int, alignment_
         lost_end = max(reused, known.kept)  # a baseline that never caches its output
         counts["policy_fork"] += computed - lost_end
     lost = max(0, lost_end - reused)
-    aligned = min(lost, max(0, alignment_loss))
+    # Held, but in a page it could not share: unless the loss comes first in the
+    # order of REASONS (a token that fits two reasons takes the first).
+    first = REASONS.index(known.lost) < REASONS.index("page_alignment")
+    aligned = 0 if first else min(lost, max(0, alignment_loss))
     counts["page_alignment"] += aligned
     counts[known.lost] += lost - aligned
     counts[known.diverged] += max(0, new_from - max(reused, computed))

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from session_runtime.replay.composition import RENDERINGS, Composition, ReasoningShare, reasoning_share, \
     request_compositions
-from session_runtime.replay.economics import Clock, CostModel, RunEconomics, compare_base, cost_model, ratios, \
-    run_economics, trace_times
+from session_runtime.replay.economics import KV_PRICE_ASSUMES, Clock, CostModel, RunEconomics, compare_base, \
+    cost_model, default_kv_price, ratios, run_economics, trace_times, verdict
 from session_runtime.replay.report import format_table
 
 if TYPE_CHECKING:
@@ -35,12 +35,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--think-seconds", type=float, default=d.think_s,
                         help="nominal clock: seconds between a turn's answer and the next user message")
     parser.add_argument("--plot", metavar="DIR", help="write a PNG per trace of each request's prompt composition")
+    parser.add_argument("--kv-price", type=float, default=None, metavar="FLOPS",
+                        help="what holding one KV token for one second costs, in FLOPs, for the verdict (default: "
+                             f"{KV_PRICE_ASSUMES}, for the cost model's KV bytes per token)")
 
 
 def settings(args, prefill_chunk: int = 2048) -> tuple[CostModel, Clock]:
     """The cost model and clock the flags name. Raises ValueError."""
+    if args.kv_price is not None and not args.kv_price >= 0:
+        raise ValueError(f"--kv-price must be >= 0 FLOPs per KV token-second, got {args.kv_price}")
     cost = cost_model(args.cost_model or args.model, args.cost_dtype, prefill_chunk)
     return cost, Clock(args.step_seconds, args.tool_seconds, args.think_seconds)
+
+
+def kv_price(args, cost: CostModel) -> tuple[float, str]:
+    """The verdict's price of a KV token-second in FLOPs, and where it comes from."""
+    if getattr(args, "kv_price", None) is not None:
+        return args.kv_price, "--kv-price"
+    return default_kv_price(cost), f"default: {KV_PRICE_ASSUMES}"
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,11 @@ class Analysis:
     runs: tuple[RunEconomics, ...]
     compositions: dict[str, list[Composition]]  # keep and drop renderings
     shares: dict[str, ReasoningShare]
+    kv_price: float = 0.0  # FLOPs per KV token-second, for the verdict
+    kv_price_source: str = ""
+
+    def verdict(self) -> dict:
+        return verdict([(r.label, r.policy, r.totals()) for r in self.runs], self.kv_price)
 
     def text(self) -> str:
         c = self.clock
@@ -65,6 +82,7 @@ class Analysis:
         base = compare_base(self.runs)
         if base is not None and len(self.runs) > 1:
             out += ["", f"-- against {base.label} --", ratios_table(rows, base.totals())]
+        out += ["", verdict_text(self.verdict(), self.kv_price_source)]
         out += ["", "== reasoning share (seed 004, in tokens) ==", share_table(self.shares.values())]
         return "\n".join(out)
 
@@ -77,6 +95,7 @@ class Analysis:
             "runs": [{**r.as_dict(), "against_keep": ratios(r, base) if base is not None else None}
                      for r in self.runs],
             "reasoning_share": {k: v.as_dict() for k, v in self.shares.items()},
+            "verdict": {**self.verdict(), "kv_price_source": self.kv_price_source},
             "composition": {k: [c.as_dict() for c in v] for k, v in self.compositions.items()},
         }
 
@@ -91,7 +110,7 @@ class Analysis:
 
 
 def analyze(trace: "Trace", results: Sequence["ReplayResult"], tpl: "Template", cost: CostModel,
-            clock: Clock = Clock()) -> Analysis:
+            clock: Clock = Clock(), price: Optional[tuple[float, str]] = None) -> Analysis:
     """Economics of every run, and the prompt composition of every request under
     keep and drop (rendered from the first run's recorded messages: forced
     output makes them the same in every run)."""
@@ -101,6 +120,7 @@ def analyze(trace: "Trace", results: Sequence["ReplayResult"], tpl: "Template", 
         trace.source, cost, clock, trace_times(trace, clock)[0],
         tuple(run_economics(r, trace, cost, clock) for r in results), compositions,
         {r: reasoning_share(r, c) for r, c in compositions.items()},
+        *(price or (default_kv_price(cost), f"default: {KV_PRICE_ASSUMES}")),
     )
 
 
@@ -113,9 +133,43 @@ def describe_aggregate(analyses: Sequence[Analysis]) -> str:
     base = next((t for (label, t), policy in zip(rows, _policies(analyses)) if policy == "keep"), None)
     if base is not None and len(rows) > 1:
         out += ["", "-- against keep --", ratios_table(rows, base)]
+    if analyses:
+        out += ["", verdict_text(aggregate_verdict(analyses), analyses[0].kv_price_source)]
     out += ["", "-- reasoning share over the traces (lastView: their mean; burden: pooled) --",
             share_table(pooled_shares(analyses))]
     return "\n".join(out)
+
+
+def aggregate_verdict(analyses: Sequence[Analysis]) -> dict:
+    """The verdict on each run's totals summed over the traces, and how many
+    traces each run is the cheapest of."""
+    rows = [(label, policy, t) for (label, t), policy in zip(aggregate_totals(analyses), _policies(analyses))]
+    out = verdict(rows, analyses[0].kv_price)
+    wins = [a.verdict()["cheapest"] for a in analyses]
+    out["cheapest_in_traces"] = {label: wins.count(label) for label, _, _ in rows}
+    return out
+
+
+def verdict_text(v: dict, source: str) -> str:
+    """The verdict section: each run's full cost at the stated price, the cheapest, the break-even prices."""
+    price = v["kv_price_flops"]
+    wins = v.get("cheapest_in_traces")
+    headers = ("policy", "TFLOP", "kv_tok_s", "kv_TFLOP", "cost_TFLOP", *(("cheapest_in",) if wins else ()), "")
+    lines = [f"== verdict: a KV token-second costs {price:.4g} FLOPs ({source}) =="]
+    rows = []
+    for label, r in v["runs"].items():
+        rows.append([label, _g(r["flops"], 1e12), round(r["kv_token_seconds"]), _g(r["kv_flops"], 1e12),
+                     _g(r["cost_flops"], 1e12), *((wins[label],) if wins else ()),
+                     "cheapest" if label == v["cheapest"] else ""])
+    lines.append(format_table(headers, rows))
+    lines.append("cost = the request path's and idle time's FLOPs (a branch built after the last turn left out) "
+                 "+ KV token-seconds at the price above")
+    for label, be in v["break_even"].items():
+        p = be["kv_price_flops"]
+        lines.append(f"keep vs {label}: " + (f"break-even at {p:.4g} FLOPs per KV token-second "
+                                             f"({p / price:.3g}x the price above); {be['meaning']}"
+                                             if p is not None else be["meaning"]))
+    return "\n".join(lines)
 
 
 def _policies(analyses: Sequence[Analysis]) -> list[str]:

@@ -103,13 +103,27 @@ def describe_trace(tr: TraceRuns, setup: str) -> str:
     """The trace's header (with `setup`: model, template, page size), its notes,
     each run's turn table, and a totals table when there are several runs."""
     lines = [f"trace {trace_line(tr.trace)}; {setup}"]
-    lines += [f"  note: {n}" for n in tr.trace.notes]
+    lines += [f"  note: {n}" for n in (*tr.trace.notes, *run_notes(tr))]
     for r in tr.results:
         lines += ["", describe_run(r)]
     if len(tr.results) > 1:
         lines += ["", "== totals ==", totals_table(tr.results)]
     lines += ["", "== why each prefilled token was prefilled ==", reasons_table(tr.results)]
     return "\n".join(lines)
+
+
+def run_notes(tr: TraceRuns) -> list[str]:
+    """What the numbers need said beside them: a trace with no reasoning at all
+    that a dropping policy still replays differently from keep."""
+    if any(s.reasoning.strip() for t in tr.trace.turns for s in t.steps):
+        return []
+    dropping = [r for r in tr.results if r.spec.policy in ("drop", "keep_last_k")]
+    keep = next((r for r in tr.results if r.spec.policy == "keep"), None)
+    if not dropping or (keep is not None and all(r.totals()["prefill"] == keep.totals()["prefill"] for r in dropping)):
+        return ["the trace has no reasoning: every policy replays the same prompts"]
+    return ["the trace has no reasoning, yet the dropping policies prefill more than keep: the template still "
+            "writes an empty think block into each message as generated and drops it from a closed turn's "
+            "history, so the prompt forks there and the answer after it is prefilled again"]
 
 
 def describe_aggregate(runs: Sequence[TraceRuns]) -> str:

@@ -51,6 +51,9 @@ def add_arguments(parser) -> None:
                              "(the model's shape still sizes the pools and the KV figures)")
     parser.add_argument("--json", metavar="PATH", help="also write every run's per-step accounting as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="go on past a file that is not a trace (the report names each one skipped) "
+                             "instead of stopping")
     analysis.add_arguments(parser)  # --cost-model, the clock, --plot
 
 
@@ -80,8 +83,10 @@ def run_command(args, out=None, err=None) -> int:
         print(f"session-runtime replay: {exc}", file=err)
         return 2
     for e in errors:
-        print(f"session-runtime replay: {e}", file=err)
-    if errors:
+        print(f"session-runtime replay: {'skipped ' if args.skip_bad else ''}{e}", file=err)
+    if errors and not (args.skip_bad and traces):
+        if args.skip_bad:
+            print("session-runtime replay: no file is a trace", file=err)
         return 2
 
     from session_runtime.config import RuntimeConfig
@@ -95,6 +100,7 @@ def run_command(args, out=None, err=None) -> int:
                                # protect a shared server from its tenants, not from a local file.
                                max_tools=0, max_tools_bytes=0, max_tenant_bytes=0)
         cost, clock = analysis.settings(args, config.prefill_chunk)
+        price = analysis.kv_price(args, cost)
     except ValueError as exc:
         print(f"session-runtime replay: {exc}", file=err)
         return 2
@@ -127,8 +133,14 @@ def run_command(args, out=None, err=None) -> int:
 
     setup = (f"model {config.model}{' (its shape only: --no-model)' if args.no_model else ''}, "
              f"template {config.template}, page size {config.page_size}")
-    analyses = [analysis.analyze(tr.trace, tr.results, rt.template(tr.results[0].template), cost, clock)
+    analyses = [analysis.analyze(tr.trace, tr.results, rt.template(tr.results[0].template), cost, clock, price)
                 for tr in runs]
+    for e in errors:  # --skip-bad
+        print(f"skipped (not a trace): {e}", file=out)
+    if cost.shape.vocab_size != rt.tokenizer.vocab_size:
+        print(f"warning: the token counts come from the {rt.tokenizer.name} tokenizer ({rt.tokenizer.vocab_size} "
+              f"ids, template {config.template}) and are priced as {cost.name} ({cost.shape.vocab_size} ids): "
+              "its own tokenizer would count the same text differently", file=out)
     print("\n\n".join(describe_trace(tr, setup) + "\n\n" + a.text() for tr, a in zip(runs, analyses)), file=out)
     if len(runs) > 1:
         print("\n" + describe_aggregate(runs), file=out)
@@ -137,7 +149,9 @@ def run_command(args, out=None, err=None) -> int:
     for a in analyses if args.plot else ():
         print(f"wrote {a.plot(args.plot)}", file=out)
     if args.json:
-        Path(args.json).write_text(json.dumps(json_report(runs, config, analyses), indent=1))
+        report = json_report(runs, config, analyses)
+        report["skipped"] = list(errors)
+        Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}", file=out)
     return 0
 
@@ -156,6 +170,8 @@ def json_report(runs, config, analyses=()) -> dict:
         t["economics"] = a.as_dict()
     if analyses:
         report["aggregate_economics"] = analysis.aggregate_dict(analyses)
+    if analyses and len(runs) > 1:
+        report["aggregate_verdict"] = analysis.aggregate_verdict(analyses)
     if len(runs) == 1:
         report.update(trace=runs[0].trace.source, runs=report["traces"][0]["runs"])
         if analyses:

@@ -328,7 +328,9 @@ def run_economics(result: "ReplayResult", trace: "Trace", cm: CostModel, clock: 
             token_s += step_s * (acc.prompt_tokens + acc.output_tokens)  # the request's sequence while it runs
             token_s += wait_s * _held(acc, bpt)  # the chain while its tool calls run
         closed = turn.steps[-1]
-        held = closed.active_context_length if turn.materialized else _held(closed, bpt)
+        # The canonical branch once materialized; after the last turn it serves no
+        # message, and is left out here as it is from the compute (`idle_end`).
+        held = closed.active_context_length if turn.materialized and k != last else _held(closed, bpt)
         token_s += tt.think * held
         out.append(TurnEconomics(k + 1, request, materialize_work(turn, cm.prefill_chunk), k == last, token_s, held,
                                  sum(tt.steps) + sum(tt.tool_waits) + tt.think))
@@ -355,6 +357,61 @@ def ratios(run: RunEconomics | dict, base: RunEconomics | dict) -> dict[str, Opt
         "kv_token_seconds": r(a["kv_token_seconds"], b["kv_token_seconds"]),
         "kv_end": r(a["kv_end"], b["kv_end"]),
     }
+
+
+# ----- the verdict ----------------------------------------------------------------------
+
+# What the default price of a KV token-second assumes: one GPU-second of compute
+# is worth as much as holding the GPU's whole memory for that second. An H100
+# SXM: 989 TFLOP/s dense bf16 peak, run at 40% of it; 80 GB of HBM.
+GPU_FLOPS_PER_S = 0.4 * 989e12
+GPU_MEMORY_BYTES = 80e9
+KV_PRICE_ASSUMES = ("one H100-second of compute (40% of 989 TFLOP/s bf16) costs as much as holding its "
+                    "80 GB of HBM for a second")
+
+
+def default_kv_price(cm: CostModel) -> float:
+    """FLOPs one KV token-second is worth, by KV_PRICE_ASSUMES, for `cm`'s KV bytes per token."""
+    return GPU_FLOPS_PER_S * cm.kv_bytes_per_token / GPU_MEMORY_BYTES
+
+
+def full_cost(totals: dict, kv_price: float) -> float:
+    """A run's cost in FLOPs: the request path's and idle time's (a branch built
+    after the last turn left out) plus its KV token-seconds at `kv_price` FLOPs each."""
+    return totals["request_flops"] + totals["idle_flops"] + kv_price * totals["kv_token_seconds"]
+
+
+def break_even(keep: dict, drop: dict) -> tuple[Optional[float], str]:
+    """The KV price (FLOPs per token-second) at which keep and another run
+    (`drop`) cost the same, and what it means: below it the run with fewer
+    FLOPs is cheaper, above it the one that holds less. None where one is
+    cheaper at every price."""
+    df = drop["request_flops"] + drop["idle_flops"] - keep["request_flops"] - keep["idle_flops"]
+    dk = keep["kv_token_seconds"] - drop["kv_token_seconds"]
+    if dk == 0 or df == 0 or (df > 0) != (dk > 0):
+        if df == 0 and dk == 0:
+            return None, "keep and drop cost the same at every price"
+        cheaper = "keep" if (df >= 0 and dk <= 0) else "drop"
+        return None, f"{cheaper} is cheaper at every price (no fewer FLOPs and no more KV)"
+    price = df / dk
+    low, high = ("keep", "drop") if df > 0 else ("drop", "keep")
+    return price, f"{low} is cheaper below it, {high} above it"
+
+
+def verdict(rows: Sequence[tuple[str, str, dict]], kv_price: float) -> dict:
+    """Each run's full cost at `kv_price`, the cheapest, and keep vs drop's
+    break-even price. `rows`: (label, policy, totals) per run."""
+    runs = {label: {"flops": t["request_flops"] + t["idle_flops"], "kv_token_seconds": t["kv_token_seconds"],
+                    "kv_flops": kv_price * t["kv_token_seconds"], "cost_flops": full_cost(t, kv_price)}
+            for label, _, t in rows}
+    out: dict = {"kv_price_flops": kv_price, "runs": runs,
+                 "cheapest": min(runs, key=lambda k: runs[k]["cost_flops"]) if runs else None, "break_even": {}}
+    keep = next((t for _, p, t in rows if p == "keep"), None)
+    for label, policy, t in rows:
+        if keep is not None and policy != "keep":
+            price, meaning = break_even(keep, t)
+            out["break_even"][label] = {"kv_price_flops": price, "meaning": meaning.replace("drop", label)}
+    return out
 
 
 def compare_base(runs: Sequence[RunEconomics]) -> Optional[RunEconomics]:

@@ -177,7 +177,9 @@ def test_forced_turns_get_and_token_ids(client, rt):
     assert d["turns"][0]["steps"] == [a] and d["turns"][1]["steps"] == [a2]
     assert d["turns"][1]["totals"] == {"prompt_tokens": 26, "cached_input_tokens": 21, "uncached_prefill_tokens": 5,
                                        "recomputed_history_tokens": 0, "output_tokens": 12, "host_loaded_tokens": 0,
-                                       "attention_work": a2["attention_work"]}
+                                       "attention_work": a2["attention_work"],
+                                       "uncached": {"new_input": 5}}
+    assert a2["uncached"] == [{"reason": "new_input", "tokens": 5}]
 
     withids = client.get(f"/v1/conversations/{cid}", params={"tokens": 1}).json()
     forced = tpl.forced_ids(FORCED["reasoning"], FORCED["content"])

@@ -156,8 +156,11 @@ def test_a_drained_worker_hands_its_conversations_over(pool):
             assert _where(rt, c) == "w0"
             if c in on_w1:  # rebuilt on w0 by prefill, and counted
                 assert acc.recomputed_history_tokens > 0
-                # What w1 held is lost with it; the dropped reasoning's answer was never computed.
-                assert {e["reason"] for e in acc.uncached} == {"new_input", "policy_fork", "backend_lost"}
+                # What w1 held is lost with it (but for what w0 holds of the shared system
+                # prompt in a page it cannot share); the dropped reasoning's answer was never computed.
+                got = {e["reason"] for e in acc.uncached}
+                assert {"new_input", "policy_fork", "backend_lost"} <= got <= {
+                    "new_input", "policy_fork", "backend_lost", "page_alignment"}
         new = rt.create_conversation(system=SYSTEM, tenant="workers")
         assert _where(rt, new) == "w0"  # nothing is placed on a draining worker
         rt.delete_conversation(new)
@@ -266,7 +269,8 @@ def test_a_conversation_whose_worker_is_known_down_moves_on_its_next_step(pool):
             assert time.monotonic() - t0 < 20 and _where(rt, c) == "w0"
             assert step.accounting.recomputed_history_tokens > 0  # rebuilt by prefill on w0
             lost = {e["reason"]: e["tokens"] for e in step.accounting.uncached}
-            assert set(lost) == {"new_input", "policy_fork", "backend_lost"}
+            assert {"new_input", "policy_fork", "backend_lost"} <= set(lost) <= {
+                "new_input", "policy_fork", "backend_lost", "page_alignment"}
             assert sum(lost.values()) == step.accounting.uncached_prefill_tokens
     finally:
         for c in cids:

@@ -50,10 +50,16 @@ def test_a_fork_splits_lost_rewritten_and_new_tokens():
     seq = list(range(40))  # prompt + reasoning + answer as generated
     prompt = list(range(12)) + [500 + i for i in range(18)] + [900, 901, 902]  # 12 shared, then the answer
     known = Known(sequence=seq, diverged="policy_fork", lost="discarded")
-    # Reused 5 of the 12 shared: 2 of those in a page it could not share, 5 discarded.
+    # Reused 5 of the 12 shared: 7 discarded (2 of them also in a page it could
+    # not share: discarded comes first).
     assert attribute(prompt, 30, len(prompt) - 5, 2, known) == [
         {"reason": "new_input", "tokens": 3}, {"reason": "policy_fork", "tokens": 18},
-        {"reason": "discarded", "tokens": 5}, {"reason": "page_alignment", "tokens": 2}]
+        {"reason": "discarded", "tokens": 7}]
+    # Lost with a worker: what the new worker holds in an unshareable page is page_alignment.
+    moved = Known(sequence=seq, diverged="policy_fork", lost="backend_lost")
+    assert attribute(prompt, 30, len(prompt) - 5, 2, moved) == [
+        {"reason": "new_input", "tokens": 3}, {"reason": "policy_fork", "tokens": 18},
+        {"reason": "page_alignment", "tokens": 2}, {"reason": "backend_lost", "tokens": 5}]
     # A canonical branch computed the whole history: only its loss and the new input.
     assert attribute(prompt, 30, 3, 0, Known(sequence=seq, history_computed=True)) == [
         {"reason": "new_input", "tokens": 3}]
