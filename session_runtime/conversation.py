@@ -61,6 +61,13 @@ class TurnRecord:
     fork_tokens: Optional[int] = None  # lcp of generated and canonical sequences
     materialize: Optional[str] = None  # decision and why
     materialized_prefill_tokens: int = 0
+    materialized_at: Optional[float] = None  # when its canonical branch was built (epoch seconds)
+    dropped_tokens: int = 0  # the generated branch past the fork that the closed history does not have
+    branch_freed: bool = False  # that branch was freed at the close (else left to LRU)
+
+    def canonical_built(self, prefill_tokens: int) -> None:
+        self.materialized_prefill_tokens = prefill_tokens
+        self.materialized_at = time.time()
 
     def totals(self) -> dict:
         keys = ("prompt_tokens", "cached_input_tokens", "uncached_prefill_tokens",
@@ -73,6 +80,8 @@ class TurnRecord:
             "turn": self.index, "closed": self.closed, "cache_state": self.cache_state,
             "counterfactual": self.counterfactual, "fork_tokens": self.fork_tokens,
             "materialize": self.materialize, "materialized_prefill_tokens": self.materialized_prefill_tokens,
+            "materialized_at": self.materialized_at, "dropped_tokens": self.dropped_tokens,
+            "branch_freed": self.branch_freed,
             "totals": self.totals(), "steps": [dataclasses.asdict(s) for s in self.steps],
         }
 

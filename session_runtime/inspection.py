@@ -50,6 +50,36 @@ class RuntimeInspection:
             out["chain"]["sequence_token_ids"] = list(conv.chain_tokens)
         return out
 
+    def chain_view(self, conversation_id: str) -> dict:
+        """A conversation's chain as the tree page draws it: where it is held
+        (device, host), the private partial page, each turn's steps (where each
+        output began and why its uncached tokens were prefilled), each closed
+        turn's fork, the branch it dropped, and its canonical branch."""
+        conv = self.get(conversation_id)
+        bpt = self.backend.bytes_per_token
+        try:
+            device = self.backend.peek_chain_tokens(conv.id)
+            host = self.backend.host_bytes(conv.id) // bpt if bpt else 0
+        except BackendUnavailable:
+            device, host = None, 0
+        return {
+            "id": conv.id, "policy": conv.policy.name, "offload": conv.offload.mode,
+            "sequence_tokens": len(conv.chain_tokens), "device_tokens": device, "host_tokens": host,
+            "kind": conv.canonical_kind,
+            "state": "tool_wait" if conv.protocol is not None else ("idle" if conv.turns else "new"),
+            "worker": self.backend.worker_of(conv.id) or conv.worker,
+            "turns": [{
+                "turn": t.index, "closed": t.closed, "fork": t.fork_tokens, "dropped": t.dropped_tokens,
+                "freed": t.branch_freed, "materialize": t.materialize,
+                "canonical": {"prefill_tokens": t.materialized_prefill_tokens, "at": t.materialized_at}
+                if t.materialized_at is not None else None,
+                "steps": [{"step": i, "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
+                           "cached_tokens": (s.cached_input_tokens or 0) + s.host_loaded_tokens,
+                           "uncached_tokens": s.uncached_prefill_tokens, "uncached": s.uncached}
+                          for i, s in enumerate(t.steps)],
+            } for t in conv.turns],
+        }
+
     def tree_snapshot(self, conversation: Optional[str] = None, worker: Optional[str] = None) -> list[NodeInfo]:
         """The tree (many workers: every live worker's, or one `worker`'s; a
         conversation's chain is read on its own worker). Raises WorkerNotFound."""

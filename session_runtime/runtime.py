@@ -82,7 +82,7 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
         with self._lock:
             conv = self.conversations.get(job.owner)
         if conv is not None and conv.turns:
-            conv.turns[-1].materialized_prefill_tokens = job.prefill_tokens
+            conv.turns[-1].canonical_built(job.prefill_tokens)
             conv.canonical_kind = "canonical"
             self._persist(conv)
 

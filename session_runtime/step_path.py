@@ -86,7 +86,7 @@ class StepPath:
             # A pending materialization is cancelled, a running one joined.
             job = self.materializer.claim(conv.id)
             if job is not None and job.state == "done" and conv.turns:
-                conv.turns[-1].materialized_prefill_tokens = job.prefill_tokens
+                conv.turns[-1].canonical_built(job.prefill_tokens)
                 conv.canonical_kind = "canonical"
             keep = conv.policy.kept_turns(conv.closed_turns)
             rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
@@ -252,6 +252,8 @@ class StepPath:
         materialize: Optional[bool] = None  # this turn's real decision, when one is made
         conv.canonical_kind = "generated" if fork >= len(generated) else "prefix"  # generated: nothing dropped
         forks = fork < len(generated) and conv.policy.holds_chain
+        record.dropped_tokens = len(generated) - fork
+        record.branch_freed = forks and conv.policy.may_materialize
         if conv.policy.holds_chain:
             # A's KV was computed after R: past the fork nothing may be reused. Hold
             # the shared prefix (its partial page copied); a dropping policy frees

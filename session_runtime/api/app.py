@@ -29,9 +29,10 @@ from session_runtime.api.openai_compat import build_router
 from session_runtime.api.protocol_routes import build_protocol_routes
 from session_runtime.api.settings import ApiSettings, Caller
 from session_runtime.api.streaming import cancellable, sse_step
+from session_runtime.api.security_headers import SecurityHeaders
 from session_runtime.api.tree_page import tree_page_router
 from session_runtime.api.schemas import CreateConversation, SendMessage, SendToolResults
-from session_runtime.errors import RuntimeErrorBase
+from session_runtime.errors import ConversationNotFound, RuntimeErrorBase
 from session_runtime.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE, Metrics
 from session_runtime.runtime import Runtime
 from session_runtime.server_secret import ServerSecret
@@ -68,6 +69,7 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
     app.add_middleware(Authenticate, settings=settings)
     app.add_middleware(CheckHost, allowed=settings.allowed_hosts)
     app.add_middleware(AccessLog)
+    app.add_middleware(SecurityHeaders)  # outermost: refusals and errors carry the headers too
 
     @app.exception_handler(RuntimeErrorBase)
     def _runtime_error(request: Request, exc: RuntimeErrorBase) -> JSONResponse:
@@ -187,12 +189,22 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
             "page_size": runtime.config.page_size,
             "nodes": [dataclasses.asdict(n) for n in nodes],
             "chains": chains,
+            "conversations": chain_views(runtime, [c for c in chains if conversation in (None, c)]),
         }
         if check and caller.admin:
             body["integrity"] = runtime.integrity()
         return body
 
     app.include_router(tree_page_router())
+
+    def chain_views(runtime, ids) -> list[dict]:
+        views = []
+        for cid in ids:
+            try:
+                views.append(runtime.chain_view(cid))
+            except ConversationNotFound:  # deleted since the chains were read
+                pass
+        return views
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus() -> PlainTextResponse:
