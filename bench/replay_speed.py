@@ -10,7 +10,10 @@ replay` process (start-up included), under keep, drop and keep_last_k:
 
 - all of them with `--no-model` (target: under 60 s for 50 conversations);
 - the first `--model-conversations` of them with the model and without, side
-  by side, for the time per step of each and the equality of their reports.
+  by side, for the time per step of each and the equality of their reports;
+- with `--baseline CHECKOUT` (another checkout of this repository, e.g. a
+  `git worktree` of an earlier commit, run with this venv), the model run of
+  that code on the same conversations, beside this code's.
 
 Writes bench/results/replay_speed.json and .png. CPU only (the model run is
 the `tiny` preset on this machine's cores).
@@ -56,7 +59,7 @@ def conversation(rng: random.Random) -> list[dict]:
     return lines
 
 
-def replay(paths: list[Path], no_model: bool, report: Path) -> float:
+def replay(paths: list[Path], no_model: bool, report: Path, repo: Path = REPO) -> float:
     cmd = [sys.executable, "-m", "session_runtime.cli", "replay", *map(str, paths), "--no-progress",
            "--json", str(report), "--pool-tokens", "65536"]
     for p in POLICIES:
@@ -64,8 +67,8 @@ def replay(paths: list[Path], no_model: bool, report: Path) -> float:
     if no_model:
         cmd.append("--no-model")
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(cmd, check=True, cwd=repo, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(repo)})
     return time.perf_counter() - t0
 
 
@@ -84,6 +87,7 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=50)
     ap.add_argument("--model-conversations", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline", type=Path, help="another checkout whose model run to time beside this one's")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,6 +104,7 @@ def main() -> None:
         t_few_model = replay(few, False, folder / "few_model.json")
         t_few_none = replay(few, True, folder / "few_none.json")
         equal = comparable(folder / "few_model.json") == comparable(folder / "few_none.json")
+        t_baseline = replay(few, False, folder / "few_base.json", args.baseline) if args.baseline else None
     result = {
         "device": "cpu (2 cores)", "model": "tiny", "policies": list(POLICIES),
         "no_model": {"conversations": args.conversations, "steps": steps, "runs": steps * len(POLICIES),
@@ -107,6 +112,9 @@ def main() -> None:
         "side_by_side": {"conversations": len(few), "steps": few_steps * len(POLICIES),
                          "model_seconds": round(t_few_model, 2), "no_model_seconds": round(t_few_none, 2),
                          "speedup": round(t_few_model / t_few_none, 1), "same_numbers": equal},
+        "baseline": None if t_baseline is None else {
+            "checkout": str(args.baseline), "model_seconds": round(t_baseline, 2),
+            "this_over_baseline": round(t_few_model / t_baseline, 3)},
         "command": "bench/replay_speed.py " + " ".join(sys.argv[1:]),
     }
     print(json.dumps(result, indent=2))
@@ -120,7 +128,11 @@ def plot(result: dict, path: Path) -> None:
 
     s, n = result["side_by_side"], result["no_model"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    a.bar(["model", "--no-model"], [s["model_seconds"], s["no_model_seconds"]], color=["#c44", "#4a4"])
+    names, values, colors = ["model", "--no-model"], [s["model_seconds"], s["no_model_seconds"]], ["#c44", "#4a4"]
+    if result.get("baseline"):
+        names, values, colors = ["model (baseline)", *names], [result["baseline"]["model_seconds"], *values], \
+            ["#999", *colors]
+    a.bar(names, values, color=colors)
     a.set_title(f"{s['conversations']} conversations x {len(result['policies'])} policies "
                 f"({s['steps']} steps), same numbers: {s['same_numbers']}")
     a.set_ylabel("seconds (one replay process, start-up included)")

@@ -18,9 +18,9 @@ def test_operator_routes_answer_while_the_engine_lock_is_held():
         client = TestClient(create_app(rt))
         read = rt.create_conversation(system="Read before.")
         rt.send_message(read, "Hello", max_tokens=2)
-        unread = rt.create_conversation(system="Never read.")
         client.get("/metrics")
         before = {path: client.get(path).json() for path in ("/debug/tree", f"/v1/conversations/{read}")}
+        unread = rt.create_conversation(system="Never read.")  # after /debug/tree, which reads every chain
         held, done = threading.Event(), threading.Event()
 
         def hold():
