@@ -140,6 +140,16 @@ def sglang_runtime(tiny_hf_folder):
     rt.close()
 
 
+@pytest.fixture
+def sglang_rt(sglang_runtime):
+    """`sglang_runtime` for one test: every conversation it made is deleted
+    after it, and the tree's integrity checked."""
+    yield sglang_runtime
+    for cid in list(sglang_runtime.conversations):
+        sglang_runtime.delete_conversation(cid)
+    sglang_runtime.check_integrity()
+
+
 @pytest.fixture(scope="session")
 def embedded_twin(tiny_hf_folder):
     """The embedded engine over the same folder and sizes as `sglang_runtime`."""

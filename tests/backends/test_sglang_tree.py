@@ -24,11 +24,8 @@ def _generate(url: str, ids: list[int], new: int = 4) -> dict:
 
 
 @pytest.fixture
-def rt(sglang_runtime):
-    yield sglang_runtime
-    for cid in list(sglang_runtime.conversations):
-        sglang_runtime.delete_conversation(cid)
-    sglang_runtime.check_integrity()
+def rt(sglang_rt):
+    return sglang_rt
 
 
 def test_the_scheduler_uses_the_session_tree(rt):

@@ -10,18 +10,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from session_runtime.continuation import split
-from tests.session_runtime.test_uncached import reasons
+from tests.session_runtime.test_uncached import another_history, reasons
 
 FORCED = {"reasoning": "Let me think about this. " * 4, "content": "The answer is forty-two."}
 
 
 @pytest.fixture
-def rt(sglang_runtime):
-    yield sglang_runtime
-    for cid in list(sglang_runtime.conversations):
-        sglang_runtime.delete_conversation(cid)
-    sglang_runtime.check_integrity()
+def rt(sglang_rt):
+    return sglang_rt
 
 
 def converse(rt, name, **kw):
@@ -77,11 +73,6 @@ def test_a_tool_wait_that_discards_is_discarded(rt):
 
 def test_a_chat_clients_other_history_is_history_replaced(rt):
     cid, _ = converse(rt, "replaced", policy="drop")
-    conv = rt.get(cid)
-    request = split([{"role": "system", "content": conv.system},
-                     {"role": "user", "content": "Another first question altogether."},
-                     {"role": "assistant", "content": "Another answer."},
-                     {"role": "user", "content": "Go on."}], None)
-    step = rt.chat_step(cid, request, replace=True, forced={"content": "ok"})
+    step = rt.chat_step(cid, another_history(rt, cid), replace=True, forced={"content": "ok"})
     assert set(reasons(step)) == {"new_input", "history_replaced"}
     assert step.accounting.cached_input_tokens > 0  # the system prompt it shares

@@ -156,14 +156,17 @@ def test_a_tool_wait_that_discards_its_kv_is_discarded(rt):
     assert out["discarded"] + out["new_input"] == nxt.accounting.prompt_tokens
 
 
+def another_history(rt, cid):
+    """A chat request with the conversation's system prompt and another history."""
+    return split([{"role": "system", "content": rt.get(cid).system},
+                  {"role": "user", "content": "a different first message"},
+                  {"role": "assistant", "content": "and answer"},
+                  {"role": "user", "content": "go on"}], None)
+
+
 def test_a_chat_client_with_another_history_is_history_replaced(rt):
     cid, first = converse(rt, "uc-replaced")
-    conv = rt.get(cid)
-    request = split([{"role": "system", "content": conv.system},
-                     {"role": "user", "content": "a different first message"},
-                     {"role": "assistant", "content": "and answer"},
-                     {"role": "user", "content": "go on"}], None)
-    step = rt.chat_step(cid, request, replace=True, forced={"content": "ok"})
+    step = rt.chat_step(cid, another_history(rt, cid), replace=True, forced={"content": "ok"})
     out = reasons(step)
     assert set(out) == {"new_input", "history_replaced"}
     # The shared system prompt was reused; everything after it differs.
