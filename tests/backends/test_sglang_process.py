@@ -19,6 +19,8 @@ import httpx
 import psutil
 import pytest
 
+from tests.prometheus import parse
+
 FORCED = {"reasoning": "Two and two make four.", "content": "2 + 2 = 4."}
 
 
@@ -111,7 +113,7 @@ def test_sglang_dies_and_comes_back(served):
     during = client.get(f"/v1/conversations/{cid}").json()
     assert during["chain"]["cached_tokens"] is None
     assert {k: v for k, v in during.items() if k != "chain"} == {k: v for k, v in before.items() if k != "chain"}
-    assert "session_runtime_backend_up 0\n" in client.get("/metrics").text
+    assert parse(client.get("/metrics").text)["session_runtime_backend_up"] == 0
     health = client.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "backend_unavailable"
 
