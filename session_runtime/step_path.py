@@ -177,7 +177,7 @@ class StepPath:
         return known
 
     def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual,
-                history_len: int = 0, known: Optional[Known] = None) -> Step:
+                history_len: int, known: Known) -> Step:
         """Record a successful step in every layer, then close the turn if it ended."""
         step_index = 0 if new[0].role == "user" else len(conv.turns[-1].steps)
         parsed = tpl.parse_output(result.output, f"call_{turn}_{step_index}")
@@ -189,7 +189,7 @@ class StepPath:
                             tool_calls=parsed.tool_calls, output_ids=tuple(result.output),
                             wire=result.wire.wire if result.wire is not None else "")
         acc = result.accounting
-        if known is not None and acc.uncached_prefill_tokens is not None and not self.backend.wants_transcript:
+        if acc.uncached_prefill_tokens is not None and not self.backend.wants_transcript:
             acc = dataclasses.replace(acc, uncached=attribute(
                 prompt, history_len, acc.uncached_prefill_tokens, acc.alignment_loss_tokens, known))
         # What the next step will know: this sequence was computed; history past it

@@ -85,8 +85,8 @@ def totals_table(results: Sequence[ReplayResult]) -> str:
 def reasons_table(results: Sequence[ReplayResult]) -> str:
     """Why the prefilled tokens were prefilled: one row per run, one column per
     reason (uncached.py); the reasons sum to the run's prefill."""
-    rows = [[r.spec.label, r.totals()["prefill"], *(r.totals().get(f"uncached_{k}", 0) for k in REASONS)]
-            for r in results]
+    rows = [[r.spec.label, t["prefill"], *(t.get(f"uncached_{k}", 0) for k in REASONS)]
+            for r, t in ((r, r.totals()) for r in results)]
     return format_table(["policy", "prefill", *REASONS], rows)
 
 
