@@ -476,5 +476,7 @@ def test_a_close_that_rides_a_step_runs_at_its_intake_first(served_cache):
     assert closed["ok"] and closed["result"]["tokens"] == 10
     assert not refused["ok"] and "for that conversation only" in refused["error"]["message"]
     assert client.call("pools")["chains"] == {"a": 10, "b": 12}  # b's chain untouched
-    assert report["probes"] == [[9, 8]]  # probed after the close: the fork, its whole pages on the device
+    # Probed after the close: the branch past the fork is gone from the tree (before it, 9 tokens
+    # matched), the fork's partial page is the chain's private page: the tree shares whole pages.
+    assert report["probes"] == [[8, 8]]
     client.call("check")

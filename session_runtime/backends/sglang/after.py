@@ -37,7 +37,8 @@ class OwnerQueue:
     def __init__(self, workers: int = 4, name: str = "sglang-after", ride_s: float = 0.0):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._last: dict[str, Future] = {}  # owner -> its last queued command
-        self._lock = threading.Lock()
+        # Reentrant: a future already done runs its callback (`_done`) at once, under the lock.
+        self._lock = threading.RLock()
         self.ride_s = ride_s
         # owner -> commands that may still ride its next request, and the timer that sends them
         self._riding: dict[str, list[tuple[Command, Callable[[], object], str]]] = {}
