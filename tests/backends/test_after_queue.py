@@ -78,3 +78,36 @@ def test_a_command_rides_the_next_step_or_goes_on_its_own_after_ride_s():
         assert sent[-1] == "close e again"
     finally:
         q.close()
+
+
+def test_what_no_step_took_leaves_in_one_batch_and_what_follows_waits_for_it():
+    batches: list[list] = []
+    sent: list[str] = []
+    q = OwnerQueue(workers=2, ride_s=0.2,
+                   send_batch=lambda commands: (time.sleep(0.1), batches.append(commands))[1] or
+                   [{"ok": True}] * len(commands))
+    try:
+        for owner in ("a", "b", "c"):
+            q.submit(owner, lambda: None, "close", ("close", {"owner": owner}))
+        q.submit("a", lambda: None, "wait", ("wait", {"owner": "a"}))
+        assert q.take("c") == [("close", {"owner": "c"})]  # c stepped again: its close rode that step
+        time.sleep(0.3)  # the timer: a's and b's leave together, in order, as one request
+        q.submit("a", lambda: sent.append("release a"), "release")  # after the batch, for a
+        q.settle()
+        assert batches == [[("close", {"owner": "a"}), ("wait", {"owner": "a"}), ("close", {"owner": "b"})]]
+        assert sent == ["release a"] and q.sent == 2 and q.batched == 3 and q.rode == 1
+    finally:
+        q.close()
+
+
+def test_a_failed_command_in_a_batch_is_logged(caplog):
+    q = OwnerQueue(workers=1, ride_s=10.0, send_batch=lambda commands: [
+        {"ok": False, "error": {"message": "no chain"}}, {"ok": True}])
+    try:
+        q.submit("a", lambda: None, "close", ("close", {"owner": "a"}))
+        q.submit("b", lambda: None, "close", ("close", {"owner": "b"}))
+        q.settle()  # sends what waits at once, without waiting for ride_s
+        assert q.sent == 1 and "the close of a failed after its step" in caplog.text
+        assert "of b failed" not in caplog.text
+    finally:
+        q.close()

@@ -480,3 +480,21 @@ def test_a_close_that_rides_a_step_runs_at_its_intake_first(served_cache):
     # matched), the fork's partial page is the chain's private page: the tree shares whole pages.
     assert report["probes"] == [[8, 8]]
     client.call("check")
+
+
+def test_a_batch_runs_each_close_or_wait_in_order_and_refuses_other_commands(served_cache):
+    """What waited to ride in vain leaves as one `batch` command: each of its
+    commands runs and answers on its own; only close and wait may be in it."""
+    cache, client, pools, lock = served_cache
+    _finish(cache, pools, lock, "a", list(range(1, 13)) + [70, 71, 72, 73])
+    _finish(cache, pools, lock, "b", list(range(1, 9)) + [50, 51, 52, 53])
+    got = client.call("batch", commands=[
+        {"cmd": "close", "args": {"owner": "a", "tokens": list(range(1, 11)), "free_branch": True}},
+        {"cmd": "release", "args": {"owner": "b"}},
+        {"cmd": "wait", "args": {"owner": "b", "host_tokens": 0}},
+    ])
+    assert [g["ok"] for g in got] == [True, False, True]
+    assert "only" in got[1]["error"]["message"]
+    assert client.call("pools")["chains"] == {"a": 10, "b": 12}  # b still held: the release was refused
+    client.call("check")
+

@@ -42,9 +42,9 @@ logger = logging.getLogger(__name__)
 USER_PRIORITY = 1  # with --enable-priority-scheduling a higher value runs first
 BACKGROUND_PRIORITY = 0
 # How long a turn's close (or a tool wait's start) may wait to ride the
-# conversation's next request before it is sent on its own (after.py): an
-# agent that steps again within it pays no round trip for it; the close is off
-# the step's path either way.
+# conversation's next request before it leaves in one batch with every other
+# conversation's (after.py): an agent that steps again within it pays no round
+# trip for it; the close is off the step's path either way.
 RIDE_S = 0.5
 
 
@@ -80,7 +80,8 @@ class SGLangBackend(Backend):
         self.http = http if http is not None else control.http
         # Commands after a step, off its path, in order per conversation; for up to
         # RIDE_S they may ride the conversation's next request instead of their own.
-        self.after = OwnerQueue(ride_s=RIDE_S)
+        self.after = OwnerQueue(ride_s=RIDE_S, send_batch=lambda commands: self._send(
+            "batch", commands=[{"cmd": name, "args": args} for name, args in commands]))
         self._stop = threading.Event()
         self._heartbeat = None
         if lease_s > 0 and control is not None:
