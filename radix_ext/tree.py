@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from radix_ext.children import indexed, namespace_of
 from radix_ext.pools import KVPools
 from radix_ext.tails import PrivateTail, check_tail, common_length, copy_slots, page_of
 
@@ -377,7 +378,9 @@ class SessionRadixCache(RadixCache):
             if child is None:
                 # The key diverges (or ends) inside the first page of a child:
                 # logically reusable, physically not (page granularity).
-                best = max((_lcp(c.key, key, pos) for c in self._same_ns(node, key)), default=0)
+                # The sorted index finds the best child by bisection (children.py).
+                page = tuple(key.token_ids[pos: pos + min(ps, n - pos)])
+                best = indexed(node).longest_partial(namespace_of(key.extra_key, key.cache_salt), page)
                 return ProbeResult(logical_len=pos + best, device_len=pos)
             m = _lcp(child.key, key, pos)
             if m < len(child.key):
@@ -385,11 +388,6 @@ class SessionRadixCache(RadixCache):
             pos += m
             node = child
         return ProbeResult(logical_len=pos, device_len=pos)
-
-    def _same_ns(self, node: TreeNode, key: RadixKey) -> Iterator[TreeNode]:
-        for child in node.children.values():
-            if child.key.extra_key == key.extra_key and child.key.cache_salt == key.cache_salt:
-                yield child
 
     # ----- inspection -------------------------------------------------------
 

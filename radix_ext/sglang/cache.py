@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResul
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
 from radix_ext.sglang.commands import BACKEND_NAME, Commands  # noqa: F401  (the plugin registers it by name)
-from radix_ext.sglang.control import answer
+from radix_ext.sglang.control import answer, refusal
 from radix_ext.sglang.hints import command_of, has_chain_action, intent_of
 from radix_ext.sglang.report import Reports, attach
 from radix_ext.sglang.idle import IdleChains, short
@@ -79,11 +79,17 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
                     continue
                 owner, intent = getattr(req, "session_id", None), intent_of(hints)
                 if owner and has_chain_action(hints):
+                    # What rode the step (its conversation's previous close or tool wait) runs first.
+                    # Only the step's own conversation's.
+                    riding = [answer(self.commands, name, args, scheduler) if args.get("owner") == owner
+                              else refusal(f"a command riding a step of {owner!r} is for that conversation only")
+                              for name, args in intent.before]
                     try:
-                        self.reports.put(req.rid, self._before(owner, intent, req))
+                        report = self._before(owner, intent, req)
                     except Exception as exc:  # never into SGLang's loop: the step runs, its report says why
                         logger.exception("pre-actions of %s failed", req.rid)
-                        self.reports.put(req.rid, {"error": f"{type(exc).__name__}: {exc}"})
+                        report = {"error": f"{type(exc).__name__}: {exc}"}
+                    self.reports.put(req.rid, {**report, "before": riding} if riding else report)
 
     def finish_commands(self, scheduler: Any) -> None:
         """After the scheduler queued what it received (every rank): the command

@@ -10,11 +10,12 @@ import dataclasses
 import time
 from typing import Any
 
-from radix_ext.sglang.control import BadCommand, StaleCommand
-from radix_ext.sglang.hints import command_of
+from radix_ext.sglang.control import BadCommand, StaleCommand, answer, refusal
+from radix_ext.sglang.hints import RIDING, command_of
 from radix_ext.tree import Namespace
 
 BACKEND_NAME = "session"
+MAX_BATCH = 4096  # commands in one `batch`
 
 
 class Commands:
@@ -25,8 +26,20 @@ class Commands:
             "hold_prefix": self._cmd_hold_prefix, "release": self._cmd_release, "idle": self._cmd_idle,
             "wait": self._cmd_wait, "demote": self._cmd_demote, "promote": self._cmd_promote, "host": self._cmd_host,
             "snapshot": self._cmd_snapshot, "check": self._cmd_check, "close": self._cmd_close,
-            "renew": self._cmd_renew, "adopt": self._cmd_adopt,
+            "renew": self._cmd_renew, "adopt": self._cmd_adopt, "batch": self._cmd_batch,
         }
+
+    def _cmd_batch(self, args: dict, scheduler: Any) -> list:
+        """Commands of RIDING that waited for their conversations' next steps in
+        vain, sent together (session_runtime/backends/sglang/after.py): each runs
+        in order and answers on its own; one that fails stops none after it."""
+        commands = args.get("commands")
+        if not isinstance(commands, list) or len(commands) > MAX_BATCH:
+            raise BadCommand(f"batch: 'commands' is a list of at most {MAX_BATCH} commands")
+        handlers = self.commands
+        return [answer(handlers, c.get("cmd"), c.get("args"), scheduler)
+                if isinstance(c, dict) and c.get("cmd") in RIDING
+                else refusal(f"a batch carries only {sorted(RIDING)} commands") for c in commands]
 
     def _cmd_ping(self, args: dict, scheduler: Any) -> dict:
         import sglang

@@ -71,6 +71,11 @@ def answer(handlers: dict[str, Handler], name: Any, args: Any, scheduler: Any) -
         return _error(type(exc).__name__, str(exc))
 
 
+def refusal(message: str) -> dict:
+    """The answer of a command refused before it ran."""
+    return _error("BadCommand", message)
+
+
 def _error(kind: str, message: str) -> dict:
     return {"v": VERSION, "ok": False, "error": {"type": kind, "message": message}}
 

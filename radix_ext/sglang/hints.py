@@ -33,8 +33,12 @@ PROTOCOL_VERSION = "1"
 # meta_info keys the tree's answers come back under (radix_ext/sglang/report.py)
 REPORT_KEY = "session_runtime"  # a request-level meta_info key (radix_ext/sglang/report.py)
 MAX_PROBES = 4
+# Commands a step may carry for its conversation, run at its intake before it
+# (the previous step's close or tool wait, sent after that step answered).
+RIDING = frozenset({"close", "wait"})
+MAX_RIDING = 8
 
-_FIELDS = {"hold", "cache_limit", "promote", "share", "probes", "holder", "lease_s"}
+_FIELDS = {"hold", "cache_limit", "promote", "share", "probes", "holder", "lease_s", "before"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,9 @@ class ChainIntent:
     conversation's that the prompt continues). `probes`: prompts, each as
     (tokens shared with this request's input, tokens after them), whose
     reusable prefix the tree reports as it is at intake. `holder`, `lease_s`:
-    the chain is held under that runtime's lease (`leases.py`; 0: none)."""
+    the chain is held under that runtime's lease (`leases.py`; 0: none).
+    `before`: commands of RIDING, each (name, args), that the tree runs at
+    intake first, in order (`backends/sglang/after.py`)."""
 
     hold: bool = True
     cache_limit: Optional[int] = None
@@ -59,6 +65,7 @@ class ChainIntent:
     probes: tuple = ()
     holder: Optional[str] = None
     lease_s: float = 0.0
+    before: tuple = ()
 
     def envelope(self, message_id: str) -> dict:
         """The JSON `kv_hints` value for a /generate request."""
@@ -69,6 +76,8 @@ class ChainIntent:
             payload["probes"] = [[shared, list(tail)] for shared, tail in self.probes]
         if self.holder:
             payload.update(holder=self.holder, lease_s=self.lease_s)
+        if self.before:
+            payload["before"] = [{"cmd": name, "args": args} for name, args in self.before]
         return _envelope(message_id, "chain", ACTION_TYPE, ACTION_VERSION, payload)
 
 
@@ -130,8 +139,14 @@ def _parse(version: str, payload: Any) -> Optional[ChainIntent]:
         return None
     if not isinstance(probes, list) or len(probes) > MAX_PROBES or not all(_probe_ok(p) for p in probes):
         return None
+    before = payload.get("before", [])
+    if not isinstance(before, list) or len(before) > MAX_RIDING or not all(
+            isinstance(c, dict) and set(c) == {"cmd", "args"} and c["cmd"] in RIDING and isinstance(c["args"], dict)
+            for c in before):
+        return None
     return ChainIntent(hold=hold, cache_limit=limit, promote=promote, share=share,
-                       probes=tuple((p[0], tuple(p[1])) for p in probes), holder=holder, lease_s=float(lease))
+                       probes=tuple((p[0], tuple(p[1])) for p in probes), holder=holder, lease_s=float(lease),
+                       before=tuple((c["cmd"], c["args"]) for c in before))
 
 
 def _probe_ok(p: Any) -> bool:

@@ -66,7 +66,8 @@ def test_intent_round_trips_through_sglangs_envelope():
     from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 
     for intent in (ChainIntent(), ChainIntent(hold=False), ChainIntent(cache_limit=40),
-                   ChainIntent(promote=True, share=True, probes=((3, (7, 8)), (0, ())))):
+                   ChainIntent(promote=True, share=True, probes=((3, (7, 8)), (0, ()))),
+                   ChainIntent(before=(("close", {"owner": "a", "tokens": [1, 2]}), ("wait", {"owner": "a"})))):
         assert intent_of(decode_kv_hints_envelope(intent.envelope("m1"))) == intent
     assert intent_of(None) == NO_HOLD  # a session_id without our hints holds nothing
 
@@ -78,6 +79,9 @@ def test_intent_round_trips_through_sglangs_envelope():
     ({"cache_limit": True}, ACTION_VERSION, ACTION_TYPE),  # a bool is not a count
     ({"probes": [[1]]}, ACTION_VERSION, ACTION_TYPE),      # a probe is [shared, tail]
     ({"probes": [[0, [1]]] * 5}, ACTION_VERSION, ACTION_TYPE),  # at most 4 probes
+    ({"before": [{"cmd": "release", "args": {"owner": "a"}}]}, ACTION_VERSION, ACTION_TYPE),  # only close, wait
+    ({"before": [{"cmd": "close"}]}, ACTION_VERSION, ACTION_TYPE),  # a command is {cmd, args}
+    ({"before": [{"cmd": "wait", "args": {}}] * 9}, ACTION_VERSION, ACTION_TYPE),  # at most 8
     ({"hold": False}, "1", ACTION_TYPE),       # an older version
     ({"hold": False}, ACTION_VERSION, "someone.else"),    # not ours: ignored
 ])
@@ -449,3 +453,48 @@ def test_a_host_copy_whose_chain_is_gone_is_dropped_not_promoted(served_cache):
     assert client.call("promote", owner="t", tokens=tokens + [1]) == nothing
     assert pools.allocator.available_size() == free
     client.call("check")
+
+
+def test_a_close_that_rides_a_step_runs_at_its_intake_first(served_cache):
+    """The previous step's close rides the conversation's next step: its intake
+    runs it before the step's probes, so the step sees the chain at the fork;
+    one for another conversation is refused and changes nothing."""
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
+    cache, client, pools, lock = served_cache
+    _finish(cache, pools, lock, "a", list(range(1, 13)) + [70, 71, 72, 73])
+    _finish(cache, pools, lock, "b", list(range(1, 9)) + [50, 51, 52, 53])
+    close = ("close", {"owner": "a", "tokens": list(range(1, 11)), "free_branch": True, "ttl_s": 0})
+    foreign = ("close", {"owner": "b", "tokens": [1, 2, 3, 4]})
+    intent = ChainIntent(before=(close, foreign), probes=((10, ()),))
+    req = SimpleNamespace(rid="step-1", kv_hints=decode_kv_hints_envelope(intent.envelope("m")), session_id="a",
+                          input_ids=list(range(1, 11)) + [90, 91], extra_key=None, cache_salt=None)
+    with lock:
+        cache.intake(SimpleNamespace(waiting_queue=[]), [req])
+        report = cache.reports.pop("step-1")
+    closed, refused = report["before"]
+    assert closed["ok"] and closed["result"]["tokens"] == 10
+    assert not refused["ok"] and "for that conversation only" in refused["error"]["message"]
+    assert client.call("pools")["chains"] == {"a": 10, "b": 12}  # b's chain untouched
+    # Probed after the close: the branch past the fork is gone from the tree (before it, 9 tokens
+    # matched), the fork's partial page is the chain's private page: the tree shares whole pages.
+    assert report["probes"] == [[8, 8]]
+    client.call("check")
+
+
+def test_a_batch_runs_each_close_or_wait_in_order_and_refuses_other_commands(served_cache):
+    """What waited to ride in vain leaves as one `batch` command: each of its
+    commands runs and answers on its own; only close and wait may be in it."""
+    cache, client, pools, lock = served_cache
+    _finish(cache, pools, lock, "a", list(range(1, 13)) + [70, 71, 72, 73])
+    _finish(cache, pools, lock, "b", list(range(1, 9)) + [50, 51, 52, 53])
+    got = client.call("batch", commands=[
+        {"cmd": "close", "args": {"owner": "a", "tokens": list(range(1, 11)), "free_branch": True}},
+        {"cmd": "release", "args": {"owner": "b"}},
+        {"cmd": "wait", "args": {"owner": "b", "host_tokens": 0}},
+    ])
+    assert [g["ok"] for g in got] == [True, False, True]
+    assert "only" in got[1]["error"]["message"]
+    assert client.call("pools")["chains"] == {"a": 10, "b": 12}  # b still held: the release was refused
+    client.call("check")
+

@@ -135,6 +135,46 @@ def test_probe_agrees_with_match_prefix_on_page_size_1():
     tree.check_integrity()
 
 
+def _probe_by_scan(tree, key):
+    """The probe as it was: every child of the node where the key leaves the tree scanned."""
+    node, pos, n, ps = tree.root_node, 0, len(key), tree.page_size
+    while pos < n:
+        child = node.children.get(key.child_key_at(pos, ps)) if n - pos >= ps else None
+        if child is None:
+            best = max((c.key.match_at(key, offset=pos, page_size=1) for c in node.children.values()
+                        if (c.key.extra_key, c.key.cache_salt) == (key.extra_key, key.cache_salt)), default=0)
+            return ProbeResult(pos + best, pos)
+        m = child.key.match_at(key, offset=pos, page_size=1)
+        if m < len(child.key):
+            return ProbeResult(pos + m, pos + m // ps * ps)
+        pos, node = pos + m, child
+    return ProbeResult(pos, pos)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_probe_by_the_sorted_children_equals_a_scan_of_them(page_size):
+    """The probe bisects each node's sorted first pages (radix_ext/children.py);
+    under random inserts, splits and evictions in three namespaces it answers
+    what scanning every child answers."""
+    import random
+
+    rng = random.Random(page_size)
+    tree = make_tree(page_size=page_size, pool_tokens=512)
+    spaces = [Namespace(), NS, Namespace(extra_key="m", cache_salt="s")]
+    seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, 14))] for _ in range(60)]
+    for i, seq in enumerate(seqs):
+        ns = spaces[i % 3]
+        if tree.token_to_kv_pool_allocator.available_size() < 32:
+            tree.evict_tokens(64)
+        put(tree, seq, ns)
+        if i % 5 == 0:  # match_prefix splits nodes where a key leaves them
+            tree.match_prefix(MatchPrefixParams(key=ns.key(rng.choice(seqs)[:rng.randrange(1, 10)])))
+        for _ in range(12):
+            q = spaces[rng.randrange(3)].key([rng.randrange(3) for _ in range(rng.randrange(0, 16))])
+            assert tree.probe(q) == _probe_by_scan(tree, q)
+    tree.check_integrity()
+
+
 # ----- namespaces -------------------------------------------------------------
 
 

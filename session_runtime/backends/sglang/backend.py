@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 USER_PRIORITY = 1  # with --enable-priority-scheduling a higher value runs first
 BACKGROUND_PRIORITY = 0
+# How long a turn's close (or a tool wait's start) may wait to ride the
+# conversation's next request before it leaves in one batch with every other
+# conversation's (after.py): an agent that steps again within it pays no round
+# trip for it; the close is off the step's path either way.
+RIDE_S = 0.5
 
 
 class SGLangBackend(Backend):
@@ -73,7 +78,10 @@ class SGLangBackend(Backend):
         self._restart_lock = threading.Lock()
         self._restarting: Optional[threading.Thread] = None
         self.http = http if http is not None else control.http
-        self.after = OwnerQueue()  # commands after a step, off its path, in order per conversation
+        # Commands after a step, off its path, in order per conversation; for up to
+        # RIDE_S they may ride the conversation's next request instead of their own.
+        self.after = OwnerQueue(ride_s=RIDE_S, send_batch=lambda commands: self._send(
+            "batch", commands=[{"cmd": name, "args": args} for name, args in commands]))
         self._stop = threading.Event()
         self._heartbeat = None
         if lease_s > 0 and control is not None:
@@ -83,7 +91,18 @@ class SGLangBackend(Backend):
     # ----- steps --------------------------------------------------------------
 
     def step(self, req: StepRequest) -> StepResult:
-        self.after.settle(req.owner)  # the previous step's close or tool wait is in the tree first
+        # The previous step's close or tool wait rides this request (its intake runs
+        # them first), or, already sent, is in the tree first.
+        riding = self.after.take(req.owner)
+        try:
+            self.after.settle(req.owner)
+            return self._step(req, riding)
+        except BaseException:
+            if riding:  # perhaps never reached the server: sent on their own (idempotent)
+                self.after.resend(req.owner, riding, lambda name, args: self._send(name, **args))
+            raise
+
+    def _step(self, req: StepRequest, riding: list) -> StepResult:
         self._check_server()
         t0 = time.perf_counter()
         prompt = list(req.prompt)
@@ -93,7 +112,7 @@ class SGLangBackend(Backend):
         # A tool wait or idle retirement may have demoted this chain, or another
         # conversation's whose host copy this prompt continues (shared).
         promote = bool(self._maybe_on_host)
-        body = self._body(req, prompt, forced, promote)
+        body = self._body(req, prompt, forced, promote, riding)
         chunks = self._stream(body)
         first_t = last_t = None
         output: list[int] = []
@@ -134,6 +153,9 @@ class SGLangBackend(Backend):
         report = report_of(meta) or {}
         if report.get("error"):
             logger.error("the tree's pre-actions for a step of %s failed: %s", req.owner, report["error"])
+        for (name, _), got in zip(riding, report.get("before") or ()):
+            if not got.get("ok"):
+                logger.warning("the %s that rode a step of %s failed: %s", name, req.owner, got.get("error"))
         if promote and not report.get("on_host", True):
             self._maybe_on_host.discard(req.owner)
         logical = int(report.get("logical_len", 0))
@@ -187,11 +209,13 @@ class SGLangBackend(Backend):
         if n + extra > self.capacity:
             raise PoolExhausted(f"the step needs {n + extra} KV slots; the server's pool holds {self.capacity}")
 
-    def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]], promote: bool) -> dict:
+    def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]], promote: bool,
+              riding: Sequence = ()) -> dict:
         sp = req.sampling
         intent = ChainIntent(hold=req.hold_chain, cache_limit=None if req.cache_output else len(prompt),
                              promote=promote, share=promote, probes=tuple(_relative(p, prompt) for p in req.probe_prompts),
-                             holder=self.holder if self.lease_s > 0 else None, lease_s=self.lease_s)
+                             holder=self.holder if self.lease_s > 0 else None, lease_s=self.lease_s,
+                             before=tuple(riding))
         params: dict = {"temperature": sp.temperature, "top_p": sp.top_p, "stop_token_ids": sorted(sp.stop_token_ids)}
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed % 2**31
@@ -339,7 +363,7 @@ class SGLangBackend(Backend):
             args["tokens"] = list(fork)
         if idle_ttl_s is not None:
             args["ttl_s"] = idle_ttl_s
-        self.after.submit(owner, lambda: self._send("close", **args), "the turn's close")
+        self.after.submit(owner, lambda: self._send("close", **args), "the turn's close", ("close", args))
 
     # ----- leases -----------------------------------------------------------------
 
@@ -374,8 +398,8 @@ class SGLangBackend(Backend):
 
     def mark_waiting(self, owner: str) -> None:
         """The owner waits for tools (pressure may demote it): sent after the step, in order."""
-        self.after.submit(owner, lambda: self._send("wait", owner=owner, host_tokens=self.host_tokens),
-                          "the tool wait's start")
+        args = {"owner": owner, "host_tokens": self.host_tokens}
+        self.after.submit(owner, lambda: self._send("wait", **args), "the tool wait's start", ("wait", args))
 
     def demote(self, owner: str, copy: bool = True) -> int:
         self._maybe_on_host.add(owner)  # the next step promotes what moved

@@ -129,8 +129,9 @@ class RoutedBackend(HoldsNoChain, SGLangBackend):
         self.steps += 1
         return result
 
-    def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]], promote: bool) -> dict:
-        body = super()._body(req, prompt, forced, False)
+    def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]], promote: bool,
+              riding=()) -> dict:
+        body = super()._body(req, prompt, forced, False)  # nothing rides: the router holds no chain
         for field in ("session_id", "kv_hints", "cache_salt"):  # the router drops them: say so by not sending
             body.pop(field, None)
         return body
