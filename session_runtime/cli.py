@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a step still running after S seconds stops, fails with 408 and changes nothing (0: none)")
     serve.add_argument("--max-conversations-per-tenant", type=int, default=_DEFAULTS.max_conversations_per_tenant,
                        metavar="N", help="a tenant's conversations the server keeps; one more is 429 (0: no limit)")
+    serve.add_argument("--max-resident-conversations", type=int, default=_DEFAULTS.max_resident_conversations,
+                       metavar="N", help="with --data-dir: conversations kept in memory; past it the least recently "
+                                         "used idle ones leave memory and are read back at their next use (0: no bound)")
     serve.add_argument("--max-tenant-bytes", type=int, default=_DEFAULTS.max_tenant_bytes, metavar="N",
                        help="bytes of conversations (as stored) a tenant may hold; past it new steps and "
                             "conversations are 429 (0: no limit)")
@@ -201,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         sglang_max_running=args.sglang_max_running, sglang_api_key=args.sglang_api_key, tp_size=args.tp_size,
         chain_lease_s=args.chain_lease_s, request_deadline_s=args.request_deadline_s,
         max_conversations_per_tenant=args.max_conversations_per_tenant,
+        max_resident_conversations=args.max_resident_conversations,
         max_tenant_bytes=args.max_tenant_bytes, max_tools=args.max_tools, max_tools_bytes=args.max_tools_bytes,
     )
 

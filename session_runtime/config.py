@@ -136,6 +136,9 @@ class RuntimeConfig:
     # the host full, released to LRU); under pressure idle chains go first. 0: never.
     idle_ttl_s: float = 300.0
     data_dir: Optional[str] = None  # SQLite store of conversations; None keeps them in memory
+    # With a store: conversations kept in memory at once; past it the least
+    # recently used idle ones leave memory and are read back at their next use. 0: no bound.
+    max_resident_conversations: int = 4096
     model_id: str = ""  # namespace override; defaults to the model name
     # "embedded" (our engine, in process) or "sglang" (SGLang's own server,
     # launched as a child process group, or reached at sglang_url).
@@ -197,6 +200,8 @@ class RuntimeConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.pool_tokens < self.page_size:
             raise ValueError("pool_tokens must hold at least one page")
+        if self.max_resident_conversations < 0:
+            raise ValueError(f"max_resident_conversations must be >= 0, got {self.max_resident_conversations}")
         if self.max_conversations_per_tenant < 0:
             raise ValueError(f"max_conversations_per_tenant must be >= 0, got {self.max_conversations_per_tenant}")
         for name in ("max_tenant_bytes", "max_tools", "max_tools_bytes"):

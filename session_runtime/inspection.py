@@ -110,7 +110,7 @@ class RuntimeInspection:
     def conversations_of(self, tenant: Optional[str]) -> set[str]:
         """Ids of the tenant's conversations (None: the default tenant's)."""
         with self._lock:
-            return {cid for cid, conv in self.conversations.items() if conv.tenant == tenant}
+            return self.conversations.ids_of(tenant)
 
     def metric_samples(self) -> list[Sample]:
         """The runtime's and the backend's figures for /metrics (many workers:
@@ -124,6 +124,8 @@ class RuntimeInspection:
             *pools,
             gauge("backend_up", float(bool(pools)), "1 when the backend answered for its pool figures, else 0"),
             gauge("conversations", len(self.conversations), "Conversations held"),
+            gauge("conversations_resident", self.conversations.resident,
+                  "Conversations in memory (the others are read from the store at their next use)"),
             counter("materialized_total", stats["done"], "Canonical-branch materializations done"),
             counter("materialize_cancelled_total", stats["cancelled"],
                     "Materializations cancelled before they ran (a newer job or a user step came first)"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import threading
 import uuid
 from pathlib import Path
@@ -27,13 +28,16 @@ from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.step import Step
-from session_runtime.store import Store, estimated_bytes as store_bytes
+from session_runtime.registry import Conversations
+from session_runtime.store import Store, Unstored
 from session_runtime.templates import Message, Template, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
 from session_runtime import continuation, importer
 from session_runtime.inspection import RuntimeInspection
 from session_runtime.request_checks import RequestChecks, _utf8
 from session_runtime.step_path import StepPath
+
+log = logging.getLogger(__name__)
 
 
 class Runtime(StepPath, RequestChecks, RuntimeInspection):
@@ -55,7 +59,7 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
         if not self.backend.supports_offload:
             self.config = self.config.replace(offload="never")
         self.model_id = self.config.model_id or self.config.model
-        self.conversations: dict[str, Conversation] = {}
+        self.conversations = Conversations(self._load)
         self._templates: dict[str, Template] = {}
         self._conv_locks: dict[str, threading.Lock] = {}
         self._sizes: dict[str, int] = {}  # bytes each conversation takes as stored (estimated without a store)
@@ -65,15 +69,52 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
         self._stopping = False
         self.template(self.config.template)  # fail at start, not on the first request
         self.store: Optional[Store] = None
+        self._unstored = Unstored()  # without a store: the bytes each conversation would take in one
         if self.config.data_dir:
+            # Only the index: a conversation is read at its first use (_load).
             self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
-            for conv, size in self.store.load_all_sized():
-                conv.known = conv.restored_known()
-                self.conversations[conv.id] = conv
-                self._conv_locks[conv.id] = threading.Lock()
-                self._sized(conv, size)
-                self._place(conv, conv.worker)
+            for stored in self.store.index():
+                self.conversations.know(stored.id, stored.tenant)
+                self._conv_locks[stored.id] = threading.Lock()
+                self._sized_id(stored.id, stored.tenant, stored.bytes)
         self.backend.adopt(sorted(self.conversations))  # chains of conversations it does not know are released
+
+    def _load(self, cid: str) -> Optional[Conversation]:
+        """A stored conversation's first use since start-up, or since it left
+        memory (called by `self.conversations`, under the lock)."""
+        loaded = self.store.load(cid) if self.store is not None else None
+        if loaded is None:
+            return None
+        conv, parked = loaded
+        if not parked:  # the KV its steps computed went with the process that ran them
+            conv.known = conv.restored_known()
+        self._place(conv, conv.worker)
+        return conv
+
+    def _evict_idle(self) -> None:
+        """Past --max-resident-conversations, the least recently used
+        conversations that no request and no canonical branch is using leave
+        memory; what the runtime knew of their KV is parked in the store (their
+        chains stay where they are). Nothing is lost: the next use reads them back."""
+        bound = self.config.max_resident_conversations
+        if self.store is None or not bound:
+            return
+        with self._lock:
+            excess = self.conversations.resident - bound
+            for conv in self.conversations.least_recent():
+                if excess <= 0:
+                    return
+                lock = self._conv_locks.get(conv.id)
+                if lock is None or conv.id in self.materializer.jobs or not lock.acquire(blocking=False):
+                    continue
+                try:
+                    self.store.park(conv)
+                    self.conversations.unload(conv.id)
+                    excess -= 1
+                except Exception:  # kept in memory: nothing is lost
+                    log.warning("conversation %s could not be parked; it stays in memory", conv.id, exc_info=True)
+                finally:
+                    lock.release()
 
     def _materialized(self, job) -> None:
         """A canonical branch is in the tree: record it on the turn that closed.
@@ -88,15 +129,18 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
 
     def _persist(self, conv: Conversation) -> None:
         conv.worker = self.backend.worker_of(conv.id) or conv.worker  # a step may have moved it
-        self._sized(conv, self.store.save(conv) if self.store is not None else store_bytes(conv))
+        self._sized(conv, (self.store or self._unstored).save(conv))
 
     def _sized(self, conv: Conversation, size: Optional[int]) -> None:
         """Record the conversation's stored bytes (None: it is gone) in its tenant's total."""
+        self._sized_id(conv.id, conv.tenant, size)
+
+    def _sized_id(self, cid: str, tenant: Optional[str], size: Optional[int]) -> None:
         with self._lock:
-            old = self._sizes.pop(conv.id, 0)
+            old = self._sizes.pop(cid, 0)
             if size is not None:
-                self._sizes[conv.id] = size
-            self._tenant_bytes[conv.tenant] = self._tenant_bytes.get(conv.tenant, 0) - old + (size or 0)
+                self._sizes[cid] = size
+            self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) - old + (size or 0)
 
     def drain_worker(self, worker: str) -> list[str]:
         """Many workers: nothing more is placed on `worker`, and its conversations
@@ -110,6 +154,8 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
                 conv, lock = self.conversations.get(cid), self._conv_locks.get(cid)
             if conv is not None and lock is not None and lock.acquire(blocking=False):
                 try:  # a step under way persists the new placement itself (and sees the move)
+                    if self.conversations.peek(cid) is not conv:
+                        continue  # it left memory meanwhile: its next use reads the placement back
                     conv.known = dataclasses.replace(conv.known, lost="backend_lost")
                     self._persist(conv)
                 finally:
@@ -192,10 +238,10 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
         with self._lock:
             if conv.id in self.conversations:
                 raise ConversationBusy(f"conversation {conv.id!r} already exists")
-            if limit and sum(c.tenant == conv.tenant for c in self.conversations.values()) >= limit:
+            if limit and self.conversations.count_of(conv.tenant) >= limit:
                 raise TooManyConversations(f"the tenant has {limit} conversations, the most this server keeps "
                                            "(--max-conversations-per-tenant): delete some first")
-            self.conversations[conv.id] = conv
+            self.conversations.add(conv)
             self._conv_locks[conv.id] = threading.Lock()
         self._place(conv, stateless=stateless)
         try:
@@ -206,6 +252,7 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
                 self._conv_locks.pop(conv.id, None)
             self.backend.release(conv.id)
             raise StorageUnavailable(f"the conversation could not be saved, so it was not created: {exc}") from exc
+        self._evict_idle()
         return conv.id
 
     def _adopt(self, conv: Conversation, system: Optional[str], tools: Sequence[dict],
@@ -268,25 +315,34 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
     def get(self, conversation_id: str) -> Conversation:
         """Raises ConversationNotFound."""
         with self._lock:
+            resident = self.conversations.resident
             conv = self.conversations.get(conversation_id)
+            loaded = self.conversations.resident > resident
         if conv is None:
             raise ConversationNotFound(conversation_id)
+        if loaded:
+            self._evict_idle()
         return conv
 
     @contextlib.contextmanager
     def _locked(self, conversation_id: str) -> Iterator[Conversation]:
         """Hold the conversation's lock; raises ConversationNotFound if it is gone
         by the time the lock is ours (a delete that ran first wins)."""
-        conv = self.get(conversation_id)
-        with self._lock:
-            lock = self._conv_locks.get(conv.id)
-        if lock is None:
-            raise ConversationNotFound(conversation_id)
-        with lock:
+        while True:
+            conv = self.get(conversation_id)
             with self._lock:
-                if self.conversations.get(conv.id) is not conv:
+                lock = self._conv_locks.get(conv.id)
+            if lock is None:
+                raise ConversationNotFound(conversation_id)
+            with lock:
+                with self._lock:
+                    current = self.conversations.peek(conv.id)
+                if current is conv:
+                    yield conv
+                    return
+                if conversation_id not in self.conversations:
                     raise ConversationNotFound(conversation_id)
-            yield conv
+            # It left memory while we waited (_evict_idle): read it back.
 
     def delete_conversation(self, conversation_id: str, if_version: Optional[int] = None) -> bool:
         """Forget the conversation and unlock its chain (its KV becomes evictable).
@@ -300,6 +356,7 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
                     self.store.delete(conv.id)
                 except Exception as exc:
                     raise StorageUnavailable(f"the delete could not be saved, so it did not happen: {exc}") from exc
+            self._unstored.delete(conv.id)
             self.materializer.cancel(conv.id)
             self.offload.forget(conv.id)
             with self._lock:

@@ -1,91 +1,62 @@
 """SQLite persistence of the trace and canonical-history layers.
 
-Each conversation is one row (its layers as JSON), written in one transaction
-before a step's response returns. Physical state (KV) is never stored: a
-restarted server rebuilds it by prefill on the next step.
+A step writes what it added, in one transaction before its response returns:
+its messages, trace entries and accounting as rows of their own, its turn's
+record, and the conversation's small row (settings when they changed, state).
+Nothing on a step's path writes the whole history again (store_delta.py finds
+what changed by identity). Physical state (KV) is never stored: a restarted
+server rebuilds it by prefill on the next step. A conversation that leaves
+memory while this process runs (the runtime's bound on resident ones) parks
+what the runtime knew of its KV beside it; only this process reads that back.
+
+Start-up reads only each conversation's id, tenant, worker and size
+(`index`); a conversation's rows are read at its first use (`load`). A store
+written by the first schema (one JSON document per conversation) is migrated
+once, in one transaction, when it is opened.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import sqlite3
 import threading
+import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple, Optional
 
-from session_runtime.accounting import StepAccounting
-from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
-from session_runtime.offload import OffloadSettings
-from session_runtime.policies import MaterializeSettings, ReasoningPolicy
-from session_runtime.templates.base import Message, ToolCall
+from session_runtime.conversation import Conversation
+from session_runtime.store_delta import Written, delta, written_of
+from session_runtime.store_rows import conversation_of, legacy_conversation, parked_row, unpark
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
+CREATE TABLE IF NOT EXISTS conv (
     id TEXT PRIMARY KEY,
-    data TEXT NOT NULL,
+    tenant TEXT,
+    worker TEXT,
+    bytes INTEGER NOT NULL,
+    head TEXT NOT NULL,
+    state TEXT NOT NULL,
+    parked TEXT,
     updated_at REAL NOT NULL DEFAULT (julianday('now'))
-)
+);
+CREATE TABLE IF NOT EXISTS conv_rows (
+    conv TEXT NOT NULL,
+    kind INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    sub INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (conv, kind, seq, sub)
+) WITHOUT ROWID;
 """
 
 
-def _message_to_dict(m: Message) -> dict:
-    d = dataclasses.asdict(m)
-    d["output_ids"] = list(m.output_ids)
-    return d
+class Stored(NamedTuple):
+    """A stored conversation as start-up sees it."""
 
-
-def _message_from_dict(d: dict) -> Message:
-    calls = tuple(ToolCall(**c) for c in d.get("tool_calls", ()))
-    return Message(**{**d, "tool_calls": calls, "output_ids": tuple(d.get("output_ids", ()))})
-
-
-def estimated_bytes(conv: Conversation) -> int:
-    """About what the conversation would take in the store, without writing
-    it out: its texts, tools and ids (for the per-tenant budget when nothing
-    is stored)."""
-    messages = [*conv.history, *(e.message for e in conv.trace)]
-    return (len(conv.system or "") + sum(len(json.dumps(t, ensure_ascii=False)) for t in conv.tools)
-            + sum(len(m.content) + len(m.reasoning) + 6 * len(m.output_ids) + 64 for m in messages))
-
-
-def conversation_to_json(conv: Conversation) -> str:
-    return json.dumps({
-        "id": conv.id, "system": conv.system, "tools": conv.tools, "tenant": conv.tenant, "worker": conv.worker,
-        "template": conv.template, "policy": dataclasses.asdict(conv.policy),
-        "materialize": dataclasses.asdict(conv.materialize),
-        "offload": dataclasses.asdict(conv.offload),
-        "history": [_message_to_dict(m) for m in conv.history],
-        "trace": [{"message": _message_to_dict(e.message), "step": e.step,
-                   "finish_reason": e.finish_reason, "created_at": e.created_at} for e in conv.trace],
-        "turns": [{**dataclasses.asdict(t), "steps": [dataclasses.asdict(s) for s in t.steps]} for t in conv.turns],
-        "protocol": None if conv.protocol is None else {
-            "turn": conv.protocol.turn,
-            "pending_calls": [c.as_dict() for c in conv.protocol.pending_calls],
-            "generated_ids": list(conv.protocol.generated_ids),
-        },
-    }, ensure_ascii=False)
-
-
-def conversation_from_json(text: str) -> Conversation:
-    d = json.loads(text)
-    protocol = None
-    if d["protocol"] is not None:
-        p = d["protocol"]
-        protocol = ProtocolState(p["turn"], tuple(ToolCall(**c) for c in p["pending_calls"]), tuple(p["generated_ids"]))
-    return Conversation(
-        id=d["id"], system=d["system"], tools=d["tools"], tenant=d["tenant"], template=d["template"],
-        policy=ReasoningPolicy(**d["policy"]), materialize=MaterializeSettings(**d["materialize"]),
-        offload=OffloadSettings(**d.get("offload", {})),
-        history=[_message_from_dict(m) for m in d["history"]],
-        trace=[TraceEntry(_message_from_dict(e["message"]), e["step"], e["finish_reason"], e["created_at"])
-               for e in d["trace"]],
-        turns=[TurnRecord(**{**t, "steps": [StepAccounting(**s) for s in t["steps"]]}) for t in d["turns"]],
-        protocol=protocol, worker=d.get("worker"),
-        # The KV is gone after a restart: the next step starts from nothing cached.
-        canonical_kind="none",
-    )
+    id: str
+    tenant: Optional[str]
+    worker: Optional[str]
+    bytes: int
 
 
 class Store:
@@ -99,37 +70,135 @@ class Store:
         os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
         os.chmod(path, 0o600)
         self.path = path
+        self.boot = uuid.uuid4().hex  # this process: what it parks, only it reads back
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(_SCHEMA)
+        self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
+        self._written: dict[str, Written] = {}  # conversations in memory: what the store holds of each
+        self._migrate()
+
+    # ----- writing --------------------------------------------------------------
 
     def save(self, conv: Conversation) -> int:
-        """Write the conversation; returns the bytes it takes in the store."""
-        data = conversation_to_json(conv)
+        """Write what changed since the conversation was last written (all of it
+        the first time); returns the bytes it takes in the store. One transaction:
+        on an error nothing of it is written."""
         with self._lock:
-            self._db.execute(
-                "INSERT INTO conversations(id, data) VALUES(?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET data=excluded.data, updated_at=julianday('now')",
-                (conv.id, data),
-            )
-        return len(data.encode("utf-8"))
+            written = self._written.get(conv.id)
+            d = delta(conv, written)
+            size = d.written.bytes
+            self._transaction(lambda db: self._write(db, conv, d, size, fresh=written is None))
+            self._written[conv.id] = d.written
+        return size
+
+    def _write(self, db, conv: Conversation, d, size: int, fresh: bool) -> None:
+        if fresh:  # what this process has not written or read: nothing of it may stay
+            db.execute("DELETE FROM conv_rows WHERE conv = ?", (conv.id,))
+        for where, params in d.deletes:
+            db.execute(f"DELETE FROM conv_rows WHERE conv = ? AND {where}", (conv.id, *params))
+        db.executemany("INSERT INTO conv_rows(conv, kind, seq, sub, data) VALUES(?, ?, ?, ?, ?)",
+                       [(conv.id, *row) for row in d.inserts])
+        if d.head is not None:
+            db.execute("INSERT INTO conv(id, tenant, worker, bytes, head, state) VALUES(?, ?, ?, ?, ?, ?) "
+                       "ON CONFLICT(id) DO UPDATE SET tenant=excluded.tenant, worker=excluded.worker, "
+                       "bytes=excluded.bytes, head=excluded.head, state=excluded.state, parked=NULL, "
+                       "updated_at=julianday('now')",
+                       (conv.id, conv.tenant, conv.worker, size, d.head, d.state))
+        else:
+            db.execute("UPDATE conv SET worker = ?, bytes = ?, state = ?, parked = NULL, "
+                       "updated_at = julianday('now') WHERE id = ?", (conv.worker, size, d.state, conv.id))
+
+    def _transaction(self, body) -> None:
+        """Run `body(db)` in one transaction, the store's lock held."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            body(self._db)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def park(self, conv: Conversation) -> None:
+        """The conversation leaves memory: keep what the runtime knew of its KV
+        (for this process), and forget what was written of it."""
+        with self._lock:
+            self._db.execute("UPDATE conv SET parked = ? WHERE id = ?", (parked_row(conv, self.boot), conv.id))
+            self._written.pop(conv.id, None)
 
     def delete(self, conversation_id: str) -> None:
         with self._lock:
-            self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+            def gone(db) -> None:
+                db.execute("DELETE FROM conv_rows WHERE conv = ?", (conversation_id,))
+                db.execute("DELETE FROM conv WHERE id = ?", (conversation_id,))
+            self._transaction(gone)
+            self._written.pop(conversation_id, None)
+
+    # ----- reading --------------------------------------------------------------
+
+    def index(self) -> list[Stored]:
+        """Every stored conversation's id, tenant, worker and bytes, least recently written first."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, tenant, worker, bytes FROM conv ORDER BY updated_at").fetchall()
+        return [Stored(*row) for row in rows]
+
+    def load(self, conversation_id: str) -> Optional[tuple[Conversation, bool]]:
+        """The stored conversation (None: there is none), and whether what this
+        process knew of its KV came back with it (it was parked here)."""
+        with self._lock:
+            row = self._db.execute("SELECT tenant, worker, head, state, parked FROM conv WHERE id = ?",
+                                   (conversation_id,)).fetchone()
+            if row is None:
+                return None
+            rows = self._db.execute("SELECT kind, seq, sub, data FROM conv_rows WHERE conv = ? "
+                                    "ORDER BY kind, seq, sub", (conversation_id,)).fetchall()
+            tenant, worker, head, state, parked = row
+            conv = conversation_of(conversation_id, tenant, worker, head, state, rows)
+            self._written[conversation_id] = written_of(conv, rows, head, state)
+        return conv, unpark(conv, parked, self.boot)
 
     def load_all(self) -> Iterator[Conversation]:
-        for conv, _ in self.load_all_sized():
-            yield conv
-
-    def load_all_sized(self) -> Iterator[tuple[Conversation, int]]:
-        """Each stored conversation and the bytes it takes in the store."""
-        with self._lock:
-            rows = self._db.execute("SELECT data FROM conversations ORDER BY updated_at").fetchall()
-        for (data,) in rows:
-            yield conversation_from_json(data), len(data.encode("utf-8"))
+        """Every stored conversation (tools and tests; the runtime loads lazily)."""
+        for stored in self.index():
+            loaded = self.load(stored.id)
+            if loaded is not None:
+                yield loaded[0]
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    # ----- the first schema -----------------------------------------------------
+
+    def _migrate(self) -> None:
+        """A store of the first schema (`conversations`: one JSON document per
+        conversation) becomes rows, in one transaction with dropping the old table."""
+        with self._lock:
+            columns = [r[1] for r in self._db.execute("PRAGMA table_info(conversations)")]
+            if "data" not in columns:
+                return
+            old = self._db.execute("SELECT data FROM conversations ORDER BY updated_at").fetchall()
+
+            def move(db) -> None:
+                for (text,) in old:
+                    conv = legacy_conversation(text)
+                    d = delta(conv, None)
+                    self._write(db, conv, d, d.written.bytes, fresh=True)
+                db.execute("DROP TABLE conversations")
+            self._transaction(move)
+
+
+class Unstored:
+    """No store (no `--data-dir`): the bytes each conversation would take in
+    one, kept the same way, step by step (the per-tenant byte budget)."""
+
+    def __init__(self) -> None:
+        self._written: dict[str, Written] = {}
+
+    def save(self, conv: Conversation) -> int:
+        d = delta(conv, self._written.get(conv.id))
+        self._written[conv.id] = d.written
+        return d.written.bytes
+
+    def delete(self, conversation_id: str) -> None:
+        self._written.pop(conversation_id, None)
