@@ -22,9 +22,9 @@ from session_runtime.templates.base import (
     ParsedOutput,
     Rendered,
     ToolCall,
-    message_groups,
     tool_schema,
 )
+from session_runtime.templates.render_cache import RenderCache
 from session_runtime.tokenizer import Piece, Tokenizer
 
 DSML = "｜DSML｜"
@@ -109,6 +109,7 @@ class DeepSeekTemplate:
         # texts. Both memoized per template (the tokenizer memoizes text too).
         self._assistant_spans = functools.lru_cache(maxsize=16384)(self._assistant_spans_of)
         self._results_ids = functools.lru_cache(maxsize=16384)(self._results_ids_of)
+        self._renders = RenderCache()  # a render that extends an earlier one walks only the new messages
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -126,26 +127,29 @@ class DeepSeekTemplate:
         keep: KeepReasoning,
         generation_prompt: bool = True,
     ) -> Rendered:
-        out = Rendered()
+        out = self._renders.render(system, tools, messages, keep, lambda o: self._render_head(o, system, tools),
+                                   self._render_group)
+        if not generation_prompt and messages and messages[-1].role != "assistant":
+            last = out.spans.pop()  # the trailing marker is the generation prompt
+            del out.ids[last.start :]
+        return out
+
+    def _render_head(self, out: Rendered, system: Optional[str], tools: Sequence[dict]) -> None:
         out.add("bos", [self.bos])
         pieces: list[Piece] = [(system or "", False)]
         if tools:  # the official header follows the system text (even none) after a blank line
             schemas = "\n".join(json.dumps(tool_schema(t), ensure_ascii=False) for t in tools)
             pieces += [("\n\n" + _TOOLS_HEADER, True), (schemas, False), (_TOOLS_FOOTER, True)]
         out.add("system", self.tok.encode_pieces(pieces))
-        for role, group in message_groups(messages):
-            kept = keep(group[0].turn)
-            if role == "user":
-                out.add("user", [self.user, *self.tok.encode_text(group[0].content), self.assistant])
-                self._marker(out, kept)
-            elif role == "assistant":
-                self._render_assistant(out, group[0], kept)
-            else:
-                self._render_results(out, group, kept)
-        if not generation_prompt and messages and messages[-1].role != "assistant":
-            last = out.spans.pop()  # the trailing marker is the generation prompt
-            del out.ids[last.start :]
-        return out
+
+    def _render_group(self, out: Rendered, role: str, group: list[Message], kept: bool) -> None:
+        if role == "user":
+            out.add("user", [self.user, *self.tok.encode_text(group[0].content), self.assistant])
+            self._marker(out, kept)
+        elif role == "assistant":
+            self._render_assistant(out, group[0], kept)
+        else:
+            self._render_results(out, group, kept)
 
     def _render_assistant(self, out: Rendered, msg: Message, keep: bool) -> None:
         for kind, ids in self._assistant_spans(tuple(msg.output_ids), keep):

@@ -23,9 +23,9 @@ from session_runtime.templates.base import (
     ParsedOutput,
     Rendered,
     ToolCall,
-    message_groups,
     tool_schema,
 )
+from session_runtime.templates.render_cache import RenderCache
 from session_runtime.tokenizer import Piece, Tokenizer
 
 # The official text (Qwen3's chat template); the schemas go between the two parts.
@@ -73,6 +73,7 @@ class Qwen3Template:
         self.tool_response = tok.token_id("<tool_response>")
         self.end_tool_response = tok.token_id("</tool_response>")
         self.newline = tok.encode("\n")
+        self._renders = RenderCache()  # a render that extends an earlier one walks only the new messages
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -94,7 +95,13 @@ class Qwen3Template:
         keep: KeepReasoning,
         generation_prompt: bool = True,
     ) -> Rendered:
-        out = Rendered()
+        out = self._renders.render(system, tools, messages, keep, lambda o: self._render_head(o, system, tools),
+                                   self._render_group)
+        if generation_prompt and messages and messages[-1].role != "assistant":
+            out.add("generation_prompt", self._header("assistant"))
+        return out
+
+    def _render_head(self, out: Rendered, system: Optional[str], tools: Sequence[dict]) -> None:
         if tools:
             pieces: list[Piece] = [("system\n", True)]
             if system is not None:
@@ -103,19 +110,17 @@ class Qwen3Template:
             out.add("system", self._block([*pieces, (_TOOLS, True), *schemas, (_TOOLS_END, True)]))
         elif system is not None:
             out.add("system", self._block([("system\n", True), (system, False)]))
-        for role, group in message_groups(messages):
-            if role == "user":
-                out.add("user", self._block([("user\n", True), (group[0].content, False)]))
-            elif role == "assistant":
-                self._render_assistant(out, group[0], keep(group[0].turn))
-            else:
-                pieces = [("user", True)]
-                for m in group:
-                    pieces += [("\n<tool_response>\n", True), (m.content, False), ("\n</tool_response>", True)]
-                out.add("tool_result", self._block(pieces))
-        if generation_prompt and messages and messages[-1].role != "assistant":
-            out.add("generation_prompt", self._header("assistant"))
-        return out
+
+    def _render_group(self, out: Rendered, role: str, group: list[Message], kept: bool) -> None:
+        if role == "user":
+            out.add("user", self._block([("user\n", True), (group[0].content, False)]))
+        elif role == "assistant":
+            self._render_assistant(out, group[0], kept)
+        else:
+            pieces = [("user", True)]
+            for m in group:
+                pieces += [("\n<tool_response>\n", True), (m.content, False), ("\n</tool_response>", True)]
+            out.add("tool_result", self._block(pieces))
 
     def _render_assistant(self, out: Rendered, msg: Message, keep: bool) -> None:
         ids = list(msg.output_ids)

@@ -41,14 +41,17 @@ def test_no_live_worker_is_an_error():
         placement.place("c", {})
 
 
-def test_the_placement_is_kept_with_the_conversation():
+def test_the_placement_is_kept_with_the_conversation(tmp_path):
     from session_runtime.conversation import Conversation
     from session_runtime.policies import MaterializeSettings, ReasoningPolicy
-    from session_runtime.store import conversation_from_json, conversation_to_json
+    from session_runtime.store import Store
 
     conv = Conversation(id="c", system=None, tools=[], tenant=None, template="deepseek",
                         policy=ReasoningPolicy("drop"), materialize=MaterializeSettings("auto"), worker="w1")
     from session_runtime.offload import OffloadSettings
 
     conv.offload = OffloadSettings("never")
-    assert conversation_from_json(conversation_to_json(conv)).worker == "w1"
+    store = Store(tmp_path / "s.sqlite3")
+    store.save(conv)
+    assert store.index()[0].worker == "w1" and store.load("c")[0].worker == "w1"
+    store.close()

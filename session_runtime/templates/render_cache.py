@@ -1,0 +1,110 @@
+"""Renders that extend earlier ones walk only what is new.
+
+A step renders its conversation a few times (the prompt, the history before
+it, keep and drop for the counterfactual, the canonical sequence at a turn's
+close and the policies' shadows), and each of those is the previous step's
+rendering plus what the step added. Rendering is segment-wise (base.py): a
+message group's ids are a function of the group and whether its turn keeps
+its reasoning, never of what follows it. So a rendering is cut at group ends,
+and a new one that starts with the same message objects, kept the same way,
+under the same system prompt and tools, starts from the ids the old one had
+at the last group end they share. The comparisons run in C (`map` over the
+two lists); a render costs a copy of the shared ids plus the new groups.
+
+Entries keep their messages and tools alive, so identity is never reused
+while an entry holds them. Bounded by the tokens held (LRU).
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import compress, count
+from typing import Callable, Optional, Sequence
+
+from session_runtime.templates.base import KeepReasoning, Message, Rendered, message_groups
+
+_turn = operator.attrgetter("turn")
+PER_BUCKET = 8  # renderings kept per first message: the step's few kinds of render
+
+
+def first_difference(a: Sequence, b: Sequence, same=operator.is_not) -> int:
+    """The first index where `same(a[i], b[i])` is true (is_not: another object), or the shorter length."""
+    return next(compress(count(), map(same, a, b)), min(len(a), len(b)))
+
+
+@dataclass
+class _Entry:
+    system: Optional[str]
+    tools: Sequence[dict]
+    messages: list
+    kept: list  # per message: its turn keeps its reasoning
+    ends: list  # message index after each closed group (0: the header alone)
+    marks: list  # (ids, spans) lengths at each of `ends`
+    out: Rendered  # owned by the cache: never handed out
+
+
+class RenderCache:
+    """The last renderings of each conversation (keyed by its first message)."""
+
+    def __init__(self, max_tokens: int = 1 << 23):
+        self.max_tokens = max_tokens
+        self._buckets: OrderedDict = OrderedDict()  # id(first message) -> [entry], most recent last
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def render(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
+               keep: KeepReasoning, head: Callable[[Rendered], None],
+               group: Callable[[Rendered, str, list, bool], None]) -> Rendered:
+        """`head(out)` writes the system part, `group(out, role, messages, kept)`
+        a message group; returns a fresh Rendered the caller may change."""
+        messages = list(messages)
+        kept = list(map(keep, map(_turn, messages)))
+        key = id(messages[0]) if messages else None
+        best, at = None, 0  # the entry to extend, and the index of its group end to extend from
+        with self._lock:
+            for e in self._buckets.get(key, ()):
+                if e.system != system or e.tools is not tools:
+                    continue
+                shared = min(first_difference(e.messages, messages), first_difference(e.kept, kept, operator.ne))
+                i = bisect.bisect_right(e.ends, shared) - 1
+                if best is None or e.ends[i] > best.ends[at]:
+                    best, at = e, i
+            if best is None:
+                out, ends, marks, start = Rendered(), [], [], 0
+            else:
+                n_ids, n_spans = best.marks[at]
+                out = Rendered(best.out.ids[:n_ids], best.out.spans[:n_spans])
+                ends, marks, start = best.ends[: at + 1], best.marks[: at + 1], best.ends[at]
+        if best is None:
+            head(out)
+            ends.append(0)
+            marks.append((len(out.ids), len(out.spans)))
+        i = start
+        for role, g in message_groups(messages[start:]):
+            group(out, role, g, kept[i])
+            i += len(g)
+            if role != "tool" or i < len(messages):  # a run of results at the end may go on
+                ends.append(i)
+                marks.append((len(out.ids), len(out.spans)))
+        self._keep(_Entry(system, tools, messages, kept, ends, marks, Rendered(list(out.ids), list(out.spans))),
+                   key, best if best is not None and start == len(best.messages) else None)
+        return out
+
+    def _keep(self, entry: _Entry, key, replaced: Optional[_Entry]) -> None:
+        with self._lock:
+            bucket = self._buckets.pop(key, [])
+            if replaced is not None and replaced in bucket:  # the new one extends it
+                bucket.remove(replaced)
+                self._tokens -= len(replaced.out.ids)
+            bucket.append(entry)
+            self._tokens += len(entry.out.ids)
+            while len(bucket) > PER_BUCKET:
+                self._tokens -= len(bucket.pop(0).out.ids)
+            self._buckets[key] = bucket
+            while self._tokens > self.max_tokens and self._buckets:
+                _, old = self._buckets.popitem(last=False)
+                self._tokens -= sum(len(e.out.ids) for e in old)

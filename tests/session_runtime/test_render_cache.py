@@ -1,0 +1,60 @@
+"""A render that extends an earlier one (render_cache.py) is the render from
+scratch: over conversations grown step by step the way the runtime grows
+them (appended messages, a turn's close that drops its reasoning, runs of
+tool results that go on, another system prompt, keep rules that move), each
+template's cached rendering equals a fresh template's, ids and spans."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from session_runtime.templates import DeepSeekTemplate, Message, ToolCall
+from session_runtime.templates.qwen3 import Qwen3Template
+from session_runtime.tokenizer import deepseek_tokenizer, qwen3_tokenizer
+from session_runtime.turns import keep_all, keep_from
+
+MAKERS = {"deepseek": (DeepSeekTemplate, deepseek_tokenizer), "qwen3": (Qwen3Template, qwen3_tokenizer)}
+
+
+def _assistant(tpl, rng: random.Random, turn: int, calls: bool) -> Message:
+    call = (ToolCall(f"call_{turn}_{rng.randrange(99)}", "calc", {"x": rng.randrange(9)}),) if calls else ()
+    reasoning, content = f"Think {rng.randrange(999)}.", "" if calls else f"Answer {rng.randrange(999)}."
+    ids = tpl.forced_ids(reasoning, content, call)
+    return Message("assistant", turn, content=content, reasoning=reasoning, tool_calls=call, output_ids=tuple(ids))
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+@pytest.mark.parametrize("seed", range(3))
+def test_a_cached_render_is_the_render_from_scratch(name, seed):
+    make, tokenizer = MAKERS[name]
+    tok = tokenizer()
+    cached = make(tok)
+    rng = random.Random(seed)
+    system, tools = "Be brief.", [{"type": "function", "function": {"name": "calc"}}]
+    history: list[Message] = []
+    for turn in range(12):
+        if rng.random() < 0.1:
+            system = f"System {turn}."
+        if rng.random() < 0.1:
+            tools = [*tools, {"type": "function", "function": {"name": f"f{turn}"}}]
+        new = [Message("user", turn, f"Question {turn}?")]
+        for _ in range(rng.randrange(3)):  # a tool chain; its results arrive one render at a time
+            new.append(_assistant(cached, rng, turn, calls=True))
+            new += [Message("tool", turn, f"result {i}", tool_call_id=f"call_{i}") for i in range(rng.randrange(1, 3))]
+        new.append(_assistant(cached, rng, turn, calls=False))
+        for cut in range(1, len(new) + 1):
+            messages = history + new[:cut]
+            for keep in (keep_all, keep_from(turn), keep_from(max(0, turn - 2))):
+                for generation_prompt in (True, False):
+                    got = cached.render(system, tools, messages, keep, generation_prompt)
+                    want = make(tok).render(system, tools, messages, keep, generation_prompt)
+                    assert (got.ids, got.spans) == (want.ids, want.spans), (turn, cut)
+                    got.ids.append(-1)  # what a caller does to its copy does not reach the cache
+        # The turn closes: its reasoning is dropped from the history (new message objects).
+        history = [m if m.turn != turn or not m.reasoning or rng.random() < 0.3 else cached.strip_reasoning(m)
+                   for m in history + new]
+        if rng.random() < 0.2:  # a client's own copy of the same history: equal messages, other objects
+            history = [dataclasses.replace(m) for m in history]
