@@ -122,12 +122,15 @@ class Conversation:
 
     def snapshot(self) -> "Conversation":
         """What a failed step goes back to (`conv.__dict__.update(snap.__dict__)`):
-        the lists a step extends and the turn records it changes are copied; the
+        the lists a step extends and the turn record it changes are copied; the
         messages, accounting and token lists, which a step replaces and never
         changes, are shared. Pointers per message and turn: no token is copied."""
         snap = copy.copy(self)
         snap.history, snap.trace, snap.tools = list(self.history), list(self.trace), list(self.tools)
-        snap.turns = [dataclasses.replace(t, steps=list(t.steps)) for t in self.turns]
+        # A step changes only the last turn's record (or appends one): earlier ones are shared.
+        snap.turns = list(self.turns)
+        if snap.turns:
+            snap.turns[-1] = dataclasses.replace(snap.turns[-1], steps=list(snap.turns[-1].steps))
         return snap
 
     @property

@@ -286,7 +286,8 @@ class StepPath:
         # Under drop the shadow of drop is this very chain: the same decision, not a second one.
         # A sampled step's last token was never fed (it has no KV), under either policy.
         unfed = min(max(0, len(generated) - len(conv.chain_tokens)), len(conv.trace[-1].message.output_ids))
-        self._shadow(conv, tpl, record, materialize if conv.policy.name == "drop" else None, unfed, free)
+        if not self.backend.wants_transcript:  # upstream mode has no KV to weigh keep against drop by
+            self._shadow(conv, tpl, record, materialize if conv.policy.name == "drop" else None, unfed, free)
         return self._chain_bytes(conv, acc, chain)
 
     def _shadow(self, conv: Conversation, tpl: Template, record: TurnRecord,

@@ -17,17 +17,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from session_runtime.conversation import Conversation
+from session_runtime.sequences import first_difference
 from session_runtime.store_rows import HISTORY, STEP, TRACE, TURN, head_key, head_row, history_row, state_row, \
     step_row, trace_row, turn_row
-
-
-def first_change(old: list, new: list) -> int:
-    """The first index where `new` does not hold the very object `old` held."""
-    n = min(len(old), len(new))
-    for i in range(n):
-        if old[i] is not new[i]:
-            return i
-    return n
 
 
 def _size(text: str) -> int:
@@ -70,7 +62,7 @@ class Delta:
 
 
 def _messages(d: Delta, kind: int, old: list, old_sizes: list, new: list, row) -> tuple[list, list]:
-    k = first_change(old, new)
+    k = first_difference(old, new)
     if k < len(old):
         d.deletes.append(("kind = ? AND seq >= ?", (kind, k)))
     sizes = old_sizes[:k]
@@ -89,7 +81,7 @@ def delta(conv: Conversation, w: Optional[Written]) -> Delta:
     n.history, n.history_sizes = _messages(d, HISTORY, w.history, w.history_sizes, conv.history, history_row)
     n.trace, n.trace_sizes = _messages(d, TRACE, w.trace, w.trace_sizes, conv.trace, trace_row)
     # Turns: from the first one replaced, and the last one written in any case (changed in place).
-    k = min(first_change(w.turns, conv.turns), max(len(w.turns) - 1, 0))
+    k = min(first_difference(w.turns, conv.turns), max(len(w.turns) - 1, 0))
     if k < len(w.turns):
         d.deletes.append(("kind = ? AND seq >= ?", (TURN, k)))
     n.turns, n.turn_sizes = list(conv.turns), w.turn_sizes[:k]
@@ -100,7 +92,7 @@ def delta(conv: Conversation, w: Optional[Written]) -> Delta:
         d.inserts.append((TURN, t, 0, data))
         n.turn_sizes.append(_size(data))
         # The steps of the record written before (the same object): from the first new one.
-        s = first_change(w.steps[t], record.steps) if t < len(w.turns) and w.turns[t] is record else 0
+        s = first_difference(w.steps[t], record.steps) if t < len(w.turns) and w.turns[t] is record else 0
         if t < len(w.steps) and s < len(w.steps[t]):
             d.deletes.append(("kind = ? AND seq = ? AND sub >= ?", (STEP, t, s)))
         sizes = w.step_sizes[t][:s] if s else []

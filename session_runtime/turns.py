@@ -7,16 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+from session_runtime.sequences import common_prefix  # noqa: F401  (the turn rules' own, re-exported)
+
 if TYPE_CHECKING:  # radix_ext.tree imports SGLang (seconds): the CLI parses its flags without it
     from radix_ext.tree import ProbeResult
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def cache_state(cached: int, prev_prompt_tokens: Optional[int], prev_kind: str) -> str:

@@ -22,18 +22,13 @@ import operator
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import compress, count
 from typing import Callable, Optional, Sequence
 
+from session_runtime.sequences import first_difference
 from session_runtime.templates.base import KeepReasoning, Message, Rendered, message_groups
 
 _turn = operator.attrgetter("turn")
 PER_BUCKET = 8  # renderings kept per first message: the step's few kinds of render
-
-
-def first_difference(a: Sequence, b: Sequence, same=operator.is_not) -> int:
-    """The first index where `same(a[i], b[i])` is true (is_not: another object), or the shorter length."""
-    return next(compress(count(), map(same, a, b)), min(len(a), len(b)))
 
 
 @dataclass
