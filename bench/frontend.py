@@ -1,0 +1,228 @@
+"""The runtime's own cost per step: by conversation length, and steps/s of one process.
+
+    .venv/bin/python bench/frontend.py [--baseline REV] [--turns 300] [--duration 10] [--concurrency 1,8,32]
+
+Writes bench/results/frontend.json and .png. Upstream mode against a stand-in
+provider on loopback that answers at once (its own process), so that only the
+runtime's work is timed: the runtime is `session-runtime serve --upstream ...
+--data-dir ...` in its own process (SQLite store, as deployed), driven over
+HTTP by client threads here.
+
+- `per_turn`: one conversation (a 300-word system prompt, a 30-word message
+  and an 8-token answer per turn, drop policy) for `--turns` turns; the
+  median step time around turns 10, 100 and 300 (target: turn 300 within
+  1.5x of turn 10).
+- `throughput`: C clients each running 20-turn conversations back to back for
+  `--duration` s; steps/s at each C (target: 3x the 90 steps/s measured
+  before this work).
+
+With `--baseline REV` the same runs go against that commit's runtime too (a
+git worktree, the same venv), alternated with this checkout's in one run. Two
+processes over PostgreSQL (issue 25, item 2) are not built: not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from report import write_report  # noqa: E402
+
+SYSTEM = " ".join(["word"] * 300)
+MESSAGE = " ".join(["token"] * 30)
+REPLY = {"id": "r", "object": "chat.completion", "created": 0, "model": "m",
+         "choices": [{"index": 0, "finish_reason": "stop", "message": {
+             "role": "assistant", "content": "Sure, done: six words here.", "reasoning_content": "Think."}}],
+         "usage": {"prompt_tokens": 100, "completion_tokens": 8, "total_tokens": 108}}
+WINDOWS = {"10": (5, 15), "100": (95, 105), "300": (290, 300)}
+
+
+def stand_in() -> None:
+    """The provider: answers every POST at once (one write, so no Nagle wait)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = json.dumps(REPLY).encode()
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.wfile.write(head + body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A runtime process (this checkout's or a worktree's) in upstream mode."""
+
+    def __init__(self, root: Path, upstream: str, name: str):
+        self.name, self.port = name, free_port()
+        self.data = tempfile.mkdtemp(prefix=f"frontend-{name}-")
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "session_runtime.cli", "serve", "--upstream", upstream, "--upstream-model", "m",
+             "--data-dir", self.data, "--port", str(self.port), "--max-conversations-per-tenant", "0",
+             "--max-tenant-bytes", "0"],
+            cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(f"{self.data}/log", "w"))
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError(f"{name}: the runtime did not start; see {self.data}/log")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def step(client: httpx.Client, cid: str) -> float:
+    t0 = time.perf_counter()
+    r = client.post(f"/v1/conversations/{cid}/messages", json={"content": MESSAGE, "max_tokens": 8})
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def per_turn(served: Served, turns: int) -> dict:
+    with httpx.Client(base_url=served.url, timeout=120) as c:
+        cid = c.post("/v1/conversations", json={"system": SYSTEM, "policy": "drop"}).json()["id"]
+        times = [step(c, cid) * 1000 for _ in range(turns)]
+    medians = {k: statistics.median(times[a:b]) for k, (a, b) in WINDOWS.items() if b <= turns}
+    return {"ms": [round(t, 3) for t in times], "median_ms": {k: round(v, 3) for k, v in medians.items()}}
+
+
+def throughput(served: Served, clients: int, duration: float, turns: int = 20) -> dict:
+    counts, stop = [0] * clients, time.perf_counter() + duration
+
+    def agent(i: int) -> None:
+        with httpx.Client(base_url=served.url, timeout=120) as c:
+            while time.perf_counter() < stop:
+                cid = c.post("/v1/conversations", json={"system": SYSTEM, "policy": "drop"}).json()["id"]
+                for _ in range(turns):
+                    if time.perf_counter() >= stop:
+                        return
+                    step(c, cid)
+                    counts[i] += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"steps": sum(counts), "seconds": round(time.perf_counter() - t0, 2),
+            "steps_per_s": round(sum(counts) / (time.perf_counter() - t0), 1)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, part in result["runs"].items():
+        a.plot(range(1, len(part["per_turn"]["ms"]) + 1), part["per_turn"]["ms"], ".", ms=2, label=name)
+        levels = sorted(part["throughput"], key=int)
+        b.plot([int(c) for c in levels], [part["throughput"][c]["steps_per_s"] for c in levels], "o-", label=name)
+    a.set(xlabel="turn", ylabel="ms per step (HTTP, instant provider)", yscale="log",
+          title="the runtime's time per step by conversation length")
+    b.set(xlabel="concurrent clients", ylabel="steps/s", xscale="log",
+          title="one runtime process, 20-turn conversations")
+    b.axhline(270, color="gray", ls="--", lw=0.8, label="target: 3x 90 steps/s")
+    for ax in (a, b):
+        ax.legend()
+    fig.suptitle(f"bench/frontend.py on {result['machine']['cores']} CPU cores (upstream mode, stand-in provider)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    if "--stand-in" in sys.argv:
+        return stand_in()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", help="a commit to measure beside this checkout (git worktree)")
+    ap.add_argument("--turns", type=int, default=300)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--name", default="frontend")
+    args = ap.parse_args()
+    provider = subprocess.Popen([sys.executable, __file__, "--stand-in"], stdout=subprocess.PIPE, text=True)
+    upstream = f"http://127.0.0.1:{provider.stdout.readline().strip()}/v1"
+    roots = {"this checkout": ROOT}
+    worktree = None
+    if args.baseline:
+        worktree = Path(tempfile.mkdtemp(prefix="frontend-baseline-")) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.baseline], cwd=ROOT, check=True,
+                       capture_output=True)
+        roots = {f"baseline {args.baseline}": worktree, **roots}
+    servers = {}
+    try:
+        servers = {name: Served(root, upstream, name.split()[0]) for name, root in roots.items()}
+        runs = {name: {"per_turn": per_turn(s, args.turns), "throughput": {}} for name, s in servers.items()}
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            for name, s in servers.items():  # alternated, level by level
+                runs[name]["throughput"][str(c)] = throughput(s, c, args.duration)
+                print(name, c, runs[name]["throughput"][str(c)], flush=True)
+    finally:
+        for s in servers.values():
+            s.close()
+        provider.terminate()
+        if worktree is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
+    ours = runs["this checkout"]
+    med = ours["per_turn"]["median_ms"]
+    best = max(v["steps_per_s"] for v in ours["throughput"].values())
+    result = {
+        "command": "python bench/frontend.py " + " ".join(sys.argv[1:]),
+        "machine": {"cores": os.cpu_count(), "gpu": None, "python": sys.version.split()[0]},
+        "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                     text=True).stdout.strip(),
+        "settings": {"turns": args.turns, "duration_s": args.duration, "system_words": 300, "message_words": 30,
+                     "answer_tokens": 8, "policy": "drop", "store": "SQLite (--data-dir)"},
+        "runs": runs,
+        "targets": {
+            "turn_300_over_turn_10": round(med["300"] / med["10"], 2) if "300" in med else None,
+            "turn_300_within_1.5x_of_turn_10": ("300" in med and med["300"] <= 1.5 * med["10"]),
+            "best_steps_per_s": best, "steps_per_s_at_least_270": best >= 270,
+            "two_processes_over_postgresql": "not built (issue 25 item 2): not measured",
+        },
+        "notes": ("server, stand-in provider and client threads share this machine's cores; the client's "
+                  "HTTP work competes with the runtime's"),
+    }
+    for name, part in runs.items():
+        print(name, "per-turn medians (ms):", part["per_turn"]["median_ms"])
+    js, png = write_report(args.name, result, plot)
+    print("wrote", js, png)
+
+
+if __name__ == "__main__":
+    main()
