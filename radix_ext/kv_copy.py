@@ -1,4 +1,5 @@
-"""Copies of KV slots between SGLang's device pool and host memory.
+"""Copies of KV slots between SGLang's device pool and host memory, in any
+layout `kv_layout` knows (token- or head-major MHA, MLA; FP8 as bytes).
 
 SGLang's `MHATokenToKVPool.get_cpu_copy` / `load_cpu_copy` synchronise the
 whole device before and after each copy, so a demotion stalls every other
@@ -22,37 +23,47 @@ from typing import Iterator, Optional
 
 import torch
 
+from radix_ext.kv_layout import layout_of
+
 
 @dataclass(frozen=True)
 class HostKV:
-    """K and V of consecutive tokens, per layer: [layers, tokens, kv_heads, head_dim]."""
+    """The KV of consecutive tokens, one tensor per plane of the pool's layout
+    (K and V, or MLA's latent), each [layers, tokens, *token_shape]."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    planes: tuple[torch.Tensor, ...]
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.planes[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.planes[1]
 
     def __len__(self) -> int:
-        return self.k.shape[1]
+        return self.planes[0].shape[1]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(p.nbytes for p in self.planes)
 
     def narrow(self, start: int, n: int) -> "HostKV":
         """Tokens [start, start + n), as views."""
-        return HostKV(self.k.narrow(1, start, n), self.v.narrow(1, start, n))
+        return HostKV(tuple(p.narrow(1, start, n) for p in self.planes))
 
     def copy_(self, src: "HostKV") -> None:
-        self.k.copy_(src.k)
-        self.v.copy_(src.v)
+        for mine, theirs in zip(self.planes, src.planes):
+            mine.copy_(theirs)
 
 
 class KVMover:
-    """Moves slots of one MHATokenToKVPool to host memory and back."""
+    """Moves slots of one of SGLang's KV pools (any layout of `kv_layout`) to
+    host memory and back. Raises UnsupportedLayout for a pool it cannot copy."""
 
     def __init__(self, kv_pool):
-        assert not getattr(kv_pool, "use_hnd", False), "KV offload indexes slots in NHD layout"
-        self.k_buffer, self.v_buffer = kv_pool.k_buffer, kv_pool.v_buffer
-        self.device = self.k_buffer[0].device
+        self.layout = layout_of(kv_pool)
+        self.device = self.layout.device
         self.pinned = self.device.type == "cuda"
         if self.pinned:
             self.compute: Optional[torch.cuda.Stream] = torch.cuda.current_stream(self.device)
@@ -64,31 +75,28 @@ class KVMover:
     def empty(self, num_tokens: int) -> HostKV:
         """A host arena for `num_tokens` (pinned on CUDA). On CPU the pages are
         committed by the OS only as copies write them."""
-        _, heads, dim = self.k_buffer[0].shape
-        shape = (len(self.k_buffer), num_tokens, heads, dim)
-        dtype = self.k_buffer[0].dtype
-        return HostKV(torch.empty(shape, dtype=dtype, pin_memory=self.pinned),
-                      torch.empty(shape, dtype=dtype, pin_memory=self.pinned))
+        layout = self.layout
+        return HostKV(tuple(torch.empty((layout.layers, num_tokens, *plane.token_shape), dtype=layout.dtype,
+                                        pin_memory=self.pinned) for plane in layout.planes))
 
     def to_host(self, slots: torch.Tensor, out: HostKV) -> None:
         """Copy the KV in `slots` into `out`; complete when this returns."""
         assert len(out) == len(slots), f"{len(out)} host tokens for {len(slots)} slots"
         with self._on(self.to_host_stream):
-            for layer, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer)):
-                if self.pinned:  # gather on the device, then one DMA into the pinned arena
-                    out.k[layer].copy_(k[slots], non_blocking=True)
-                    out.v[layer].copy_(v[slots], non_blocking=True)
-                else:  # gather straight into the host arena: one pass
-                    torch.index_select(k, 0, slots, out=out.k[layer])
-                    torch.index_select(v, 0, slots, out=out.v[layer])
+            for plane, host in zip(self.layout.planes, out.planes):
+                for layer in range(self.layout.layers):
+                    if self.pinned:  # gather on the device, then one DMA into the pinned arena
+                        host[layer].copy_(plane.read(layer, slots), non_blocking=True)
+                    else:  # gather straight into the host arena
+                        plane.read_into(layer, slots, host[layer])
 
     def to_device(self, host: HostKV, slots: torch.Tensor) -> None:
         """Write `host` into `slots`; the KV is in place when this returns."""
         assert len(host) == len(slots), f"{len(host)} host tokens for {len(slots)} slots"
         with self._on(self.to_device_stream):
-            for layer, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer)):
-                k.index_copy_(0, slots, host.k[layer].to(self.device, non_blocking=True))
-                v.index_copy_(0, slots, host.v[layer].to(self.device, non_blocking=True))
+            for plane, kv in zip(self.layout.planes, host.planes):
+                for layer in range(self.layout.layers):
+                    plane.write(layer, slots, kv[layer].to(self.device, non_blocking=True))
 
     @contextmanager
     def _on(self, stream: Optional[torch.cuda.Stream]) -> Iterator[None]:

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from radix_ext.kv_layout import layout_of
+
 
 @dataclass(frozen=True)
 class PrivateTail:
@@ -55,11 +57,10 @@ def page_of(slots: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def copy_slots(kv_pool, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy the K and V of `src` slots into `dst` slots, every layer, inside one
-    MHATokenToKVPool. The bytes are the pool's own: exact."""
-    for k, v in zip(kv_pool.k_buffer, kv_pool.v_buffer):
-        k[dst] = k[src]
-        v[dst] = v[src]
+    """Copy the KV of `src` slots into `dst` slots, every layer, inside one of
+    SGLang's pools (any layout of `kv_layout`). The bytes are the pool's own:
+    exact. Raises UnsupportedLayout."""
+    layout_of(kv_pool).copy_slots(src, dst)
 
 
 def check_tail(owner: str, tail: Optional[PrivateTail], page_size: int) -> None:

@@ -210,7 +210,11 @@ class SessionRadixCache(RadixCache):
         page = self._alloc_page()
         if page is None:
             return None
-        copy_slots(self.token_to_kv_pool_allocator.get_kvcache(), slots[a : a + c], page[:c])
+        try:
+            copy_slots(self.token_to_kv_pool_allocator.get_kvcache(), slots[a : a + c], page[:c])
+        except BaseException:  # a copy that fails frees what it allocated
+            self.token_to_kv_pool_allocator.free(page)
+            raise
         return PrivateTail(array("q", key.token_ids[a : a + c]), page)
 
     def _alloc_page(self) -> Optional[torch.Tensor]:

@@ -39,6 +39,7 @@ from radix_ext.sglang.report import Reports, attach
 from radix_ext.sglang.idle import IdleChains, short
 from radix_ext.sglang.leases import Leases
 from radix_ext.sglang.offload import SchedulerHostTier
+from radix_ext.kv_layout import UnsupportedLayout, layout_of
 from radix_ext.tails import common_length, page_of
 from radix_ext.tree import Namespace, SessionRadixCache
 
@@ -299,7 +300,11 @@ def build(ctx) -> SchedulerSessionCache:
     if getattr(args, "dp_size", 1) > 1:
         raise ValueError("--radix-cache-backend session does not serve --dp-size > 1 yet: a command must reach "
                          "every rank, and SGLang routes a request to one data-parallel rank")
+    try:  # at start, not at the first turn that forks inside a page
+        layout = layout_of(ctx.params.token_to_kv_pool_allocator.get_kvcache())
+    except UnsupportedLayout as exc:
+        raise ValueError(f"--radix-cache-backend session cannot serve this model's KV cache: {exc}") from None
     cache = SchedulerSessionCache(ctx.params)
-    logger.info("session radix cache: page size %d, eviction %s, tp size %d; commands ride requests",
-                cache.page_size, ctx.params.eviction_policy, ctx.tp_size)
+    logger.info("session radix cache: page size %d, eviction %s, tp size %d, KV layout %s; commands ride requests",
+                cache.page_size, ctx.params.eviction_policy, ctx.tp_size, layout.name)
     return cache

@@ -112,6 +112,20 @@ def test_factory_refuses_data_parallel_ranks():
         build(ctx)
 
 
+def test_factory_refuses_a_kv_layout_it_cannot_copy_at_start():
+    """Not at the first turn that forks inside a page (where an MLA pool used to
+    leak the page it had taken): at start, naming the pool."""
+    from radix_ext.sglang.cache import build
+
+    pool = SimpleNamespace()  # a pool class the tree does not know
+    params = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool))
+    ctx = SimpleNamespace(is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False, enable_hierarchical_cache=False,
+                          disable_radix_cache=False, tp_size=1, server_args=SimpleNamespace(dp_size=1),
+                          params=params)
+    with pytest.raises(ValueError, match="cannot serve this model's KV cache: the SimpleNamespace KV pool"):
+        build(ctx)
+
+
 def test_reports_ride_a_request_level_key():
     req = SimpleNamespace(output_ids=[], customized_info={"other": [1]})
     attach(req, {"x": 1})

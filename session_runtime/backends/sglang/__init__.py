@@ -41,8 +41,13 @@ def model_folder(config, tokenizer) -> Path:
 
 
 def _kv_shape(folder: Path, dtype: str) -> tuple[int, int]:
-    """(bytes of KV per token, vocabulary size) from the folder's config.json."""
+    """(bytes of KV per token, vocabulary size) from the folder's config.json:
+    a K and a V per layer, or with DeepSeek's MLA one latent of kv_lora_rank +
+    qk_rope_head_dim per layer (radix_ext/kv_layout.py)."""
     raw = json.loads((folder / "config.json").read_text())
+    if raw.get("kv_lora_rank"):
+        latent = raw["kv_lora_rank"] + raw["qk_rope_head_dim"]
+        return raw["num_hidden_layers"] * latent * _ELEM[dtype], raw["vocab_size"]
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     kv_heads = raw.get("num_key_value_heads", heads)
