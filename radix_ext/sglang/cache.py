@@ -39,6 +39,7 @@ from radix_ext.sglang.report import Reports, attach
 from radix_ext.sglang.idle import IdleChains, short
 from radix_ext.sglang.leases import Leases
 from radix_ext.sglang.offload import SchedulerHostTier
+from radix_ext.sglang.pressure import busy_owners, make_room, touch
 from radix_ext.kv_layout import UnsupportedLayout, layout_of
 from radix_ext.tails import common_length, page_of
 from radix_ext.tree import Namespace, SessionRadixCache
@@ -60,6 +61,8 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
         self.leases = Leases()
         self._answered: set[str] = set()  # command requests answered at intake, to finish unrun
         self.commands = self.handlers()
+        self.used_at: dict[str, float] = {}  # owner -> when a step last held its chain (pressure.py)
+        self._scheduler: Any = None  # the scheduler this tree serves, seen at intake
 
     # ----- intake (the plugin's hook, every rank, between batches) --------------
 
@@ -68,6 +71,7 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
         the same list): answer the commands, and run the steps' pre-actions
         (counterfactual probes, promotion from the host, the logical probe) on
         the tree as it is now. The answers wait for their requests' release."""
+        self._scheduler = scheduler
         for recv in recv_reqs or ():
             for req in getattr(recv, "batch", None) or (recv,):
                 hints = getattr(req, "kv_hints", None)
@@ -246,6 +250,7 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
         if hasattr(self, "idle"):
             self.idle.active(owner)
             self.leases.forget(owner)
+            self.used_at.pop(owner, None)
 
     def relieve(self, scheduler: Any) -> None:
         """Once per scheduler iteration: under pressure demote conversations that
@@ -254,9 +259,25 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
             logger.warning("the lease of %s's chain expired (its runtime stopped renewing it): released", owner)
             self.offload.forget(owner)
             self.release_chain(owner)
-        if self.offload.waiting and short(self, scheduler):
-            self.offload.relieve(self, lambda: short(self, scheduler))
-        self.idle.relieve(self, scheduler)
+        self.idle.retire_due(self)
+        if self.chains and short(self, scheduler):  # the queue's head waits for room that held chains keep
+            make_room(self, lambda: not short(self, scheduler), busy_owners(scheduler))
+
+    def evict_for_alloc(self, params, **kwargs):
+        """SGLang's allocator is short (a prefill's or the next decode's slots;
+        short there, a running request is retracted): held chains that no
+        request uses make room first (pressure.py), then the LRU evicts."""
+        alloc = self.token_to_kv_pool_allocator
+        need = alloc.available_size() + params.num_tokens
+        if self.chains and alloc.available_size() + self.evictable_size() < need:
+            make_room(self, lambda: alloc.available_size() + self.evictable_size() >= need,
+                      busy_owners(self._scheduler))
+        return super().evict_for_alloc(params, **kwargs)
+
+    def set_chain(self, owner: str, node, tail=None) -> None:
+        super().set_chain(owner, node, tail)
+        if hasattr(self, "used_at"):
+            touch(self, owner)
 
     def finish(self, handle, outcome) -> None:
         super().finish(handle, outcome)
@@ -273,7 +294,7 @@ class SchedulerSessionCache(Commands, SessionRadixCache):
         # /flush_cache drops every node: the chains and private pages go with
         # them (the allocator is cleared right after).
         super().reset()
-        for name in ("chains", "tails", "_offers", "_kept", "reports", "leases", "_answered"):
+        for name in ("chains", "tails", "_offers", "_kept", "reports", "leases", "_answered", "used_at"):
             if hasattr(self, name):
                 getattr(self, name).clear()
         if hasattr(self, "offload"):

@@ -5,10 +5,9 @@ A conversation whose turn closed is idle until its next request. SGLang queues
 a request that does not fit instead of refusing it, and its admission budget
 counts only free and evictable pages: chains are locked, so idle ones could
 keep a new conversation waiting forever. Once per scheduler iteration (the
-control hook), `relieve` releases idle chains (their pages become evictable;
-the next turn rebuilds what LRU took) that are past the TTL, or, oldest
-first, while the head of the waiting queue cannot fit and nothing runs that
-would free pages by finishing.
+control hook), `retire_due` retires idle chains past the TTL (demoted to the
+host tier, else released: their pages become evictable; the next turn
+rebuilds what LRU took); under pressure `pressure.make_room` retires them.
 """
 
 from __future__ import annotations
@@ -31,21 +30,15 @@ class IdleChains:
         """The owner has a request again (or no chain): not idle."""
         self.since.pop(owner, None)
 
-    def relieve(self, cache, scheduler: Any, now: Optional[float] = None) -> int:
-        """Release idle chains past the TTL, then under pressure. Returns how many."""
-        if not self.since:
+    def retire_due(self, cache, now: Optional[float] = None) -> int:
+        """Retire idle chains past the TTL (pressure is pressure.make_room's). Returns how many."""
+        if not self.since or self.ttl_s <= 0:
             return 0
         now = time.monotonic() if now is None else now
-        released = 0
-        for owner, since in sorted(self.since.items(), key=lambda kv: kv[1]):
-            if self.ttl_s > 0 and now - since >= self.ttl_s:
-                self._release(cache, owner, "ttl")
-                released += 1
-        while self.since and short(cache, scheduler):
-            owner = min(self.since, key=self.since.get)
-            self._release(cache, owner, "pressure")
-            released += 1
-        return released
+        due = [owner for owner, since in sorted(self.since.items(), key=lambda kv: kv[1]) if now - since >= self.ttl_s]
+        for owner in due:
+            self.retire(cache, owner, "ttl")
+        return len(due)
 
     def make_room(self, cache, tokens: int, exclude: str) -> None:
         """Retire idle chains, oldest first, until `tokens` slots are free or
@@ -55,9 +48,10 @@ class IdleChains:
             if alloc.available_size() + cache.evictable_size() >= tokens:
                 return
             if owner != exclude:
-                self._release(cache, owner, "pressure")
+                self.retire(cache, owner, "pressure")
 
-    def _release(self, cache, owner: str, why: str) -> None:
+    def retire(self, cache, owner: str, why: str) -> None:
+        """Demote the owner's chain to the host tier, or release it to the LRU."""
         self.since.pop(owner, None)
         if owner not in cache.chains:
             return
@@ -79,11 +73,18 @@ def short(cache, scheduler: Any) -> bool:
     if not queue or running:
         return False
     head = queue[0]
-    need = len(getattr(head, "origin_input_ids", ()) or ()) + _max_new(head) + cache.page_size
+    # SGLang admits a request when input + min(max_new, CLIP) + a page of overhead
+    # is strictly below free + evictable (PrefillAdder.add_one_req); one page more
+    # here, so that what this calls room is room there too.
+    need = len(getattr(head, "origin_input_ids", ()) or ()) + _max_new(head) + 2 * cache.page_size + 1
     room = cache.token_to_kv_pool_allocator.available_size() + cache.evictable_size()
     return room < need
 
 
+CLIP_MAX_NEW = 4096  # SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION default
+
+
 def _max_new(req: Any) -> int:
     params = getattr(req, "sampling_params", None)
-    return int(getattr(params, "max_new_tokens", 0) or 0)
+    remaining = int(getattr(params, "max_new_tokens", 0) or 0) - len(getattr(req, "output_ids", ()) or ())
+    return min(max(remaining, 0), CLIP_MAX_NEW)

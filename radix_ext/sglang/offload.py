@@ -143,15 +143,6 @@ class SchedulerHostTier:
     def bytes_of(self, owner: str) -> int:
         return 0 if self.host is None else self.host.bytes_of(owner)
 
-    def relieve(self, cache, short) -> int:
-        """Demote waiting conversations, oldest first, while `short()`. Returns tokens moved."""
-        moved = 0
-        for owner in sorted(self.waiting, key=self.waiting.get):
-            if not short():
-                break
-            moved += self.demote(cache, owner)
-        return moved
-
     def stats(self) -> dict[str, Any]:
         if self.host is None:
             return {"capacity_tokens": 0, "used_tokens": 0}

@@ -33,10 +33,13 @@ def register() -> None:
 
 def finish_commands(result, scheduler, *args, **kwargs):
     """AFTER hook: the command requests just queued finish at once, answered,
-    without a forward pass."""
+    without a forward pass; and the requests just queued that do not fit get
+    the room held chains keep (pressure.py) before the scheduler picks its
+    next batch, not at the next request's arrival."""
     cache = getattr(scheduler, "tree_cache", None)
     if hasattr(cache, "finish_commands"):
         cache.finish_commands(scheduler)
+        cache.relieve(scheduler)
     return None
 
 

@@ -336,14 +336,37 @@ def test_idle_chains_retire_after_their_ttl_and_under_pressure(served_cache):
         free = pools.allocator.available_size()
         head = SimpleNamespace(origin_input_ids=[1] * (free + 4 - PAGE), sampling_params=SimpleNamespace(max_new_tokens=0))
         running = SimpleNamespace(reqs=[SimpleNamespace()])
-        busy = SimpleNamespace(waiting_queue=[head], running_batch=running)
-        assert cache.idle.relieve(cache, busy) == 0  # a running request will free pages
-        stuck = SimpleNamespace(waiting_queue=[head], running_batch=None)
-        assert cache.idle.relieve(cache, stuck) == 1  # the oldest idle chain goes, and that is enough
-        assert set(cache.chains) == {"new", "busy"} and cache.idle.stats["pressure_released"] == 1
+        cache.relieve(SimpleNamespace(waiting_queue=[head], running_batch=running))
+        assert set(cache.chains) == {"old", "new", "busy"}  # a running request will free pages
+        cache.relieve(SimpleNamespace(waiting_queue=[head], running_batch=None))
+        assert set(cache.chains) == {"new", "busy"}  # the oldest idle chain goes, and that is enough
+        assert cache.idle.stats["pressure_released"] == 1
         cache.idle.mark("busy", ttl_s=5.0, now=0.0)
-        assert cache.idle.relieve(cache, None, now=4.0) == 0
-        assert cache.idle.relieve(cache, None, now=6.0) == 1 and set(cache.chains) == {"new"}
+        assert cache.idle.retire_due(cache, now=4.0) == 0
+        assert cache.idle.retire_due(cache, now=6.0) == 1 and set(cache.chains) == {"new"}
+    client.call("check")
+
+
+def test_held_chains_nothing_uses_make_room_before_a_request_waits_or_is_retracted(served_cache):
+    """Chains neither idle nor registered as tool waits (a tool wait under offload
+    `never`) are relieved too, least recently used first, but never one whose
+    conversation has a request in the scheduler; SGLang's allocator asks the
+    tree (`evict_for_alloc`, its path to retraction) and gets the room."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache, client, pools, lock = served_cache
+    for owner, base in (("waits-1", 100), ("queued", 200), ("waits-2", 300)):
+        _finish(cache, pools, lock, owner, list(range(base, base + 14)))  # 3 pages and a private page each
+    with lock:
+        cache._scheduler = SimpleNamespace(waiting_queue=[SimpleNamespace(session_id="queued")], running_batch=None)
+        evictable, free = cache.evictable_size(), pools.allocator.available_size()
+        cache.evict_for_alloc(EvictParams(num_tokens=evictable + 10))  # one chain's pages are enough
+        assert set(cache.chains) == {"queued", "waits-2"}  # the least recently used went
+        assert pools.allocator.available_size() >= free + 10
+        evictable, free = cache.evictable_size(), pools.allocator.available_size()
+        cache.evict_for_alloc(EvictParams(num_tokens=evictable + 30))  # more than any chain nothing uses
+        assert set(cache.chains) == {"queued"}  # a conversation with a request queued keeps its chain
+        assert cache.idle.stats["pressure_released"] == 2
     client.call("check")
 
 
