@@ -10,6 +10,7 @@ by name and imports it lazily.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ from session_runtime.sampling import SamplingParams
 from session_runtime.templates.base import Message
 
 
+DEADLINE_PASSED = "the step ran past the request deadline (--request-deadline-s)"
+
+
 class Cancellation:
     """Stops a step between two tokens: set from any thread (the client went away,
     shutdown), or by a deadline. The step checks it and fails, changing nothing."""
@@ -31,15 +35,50 @@ class Cancellation:
     def __init__(self, deadline_s: Optional[float] = None):
         self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
         self.error: Optional[RuntimeErrorBase] = None
+        self._watchers: list = []
+        self._lock = threading.Lock()
 
     def cancel(self, error: RuntimeErrorBase) -> None:
-        if self.error is None:
-            self.error = error
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            watchers, self._watchers = self._watchers, []
+        for fn in watchers:
+            fn()
+
+    def watch(self, fn) -> "Callable[[], None]":
+        """Call `fn` (once, from another thread) when the step is cancelled or its
+        deadline passes, for a wait that no token ends (a request queued in a
+        server): `fn` unblocks it, and the step then fails at `check`. Returns
+        the function that stops watching."""
+        timer = None
+        if self.deadline is not None:
+            timer = threading.Timer(max(0.0, self.deadline - time.monotonic()) + 0.01,
+                                    lambda: self.cancel(DeadlineExceeded(DEADLINE_PASSED)))
+            timer.daemon = True
+        with self._lock:
+            if self.error is not None:
+                fired = True
+            else:
+                fired = False
+                self._watchers.append(fn)
+        if fired:
+            fn()
+        elif timer is not None:
+            timer.start()
+
+        def stop() -> None:
+            if timer is not None:
+                timer.cancel()
+            with self._lock:
+                if fn in self._watchers:
+                    self._watchers.remove(fn)
+        return stop
 
     def check(self) -> None:
         """Raises the reason when the step must stop."""
         if self.error is None and self.deadline is not None and time.monotonic() > self.deadline:
-            self.error = DeadlineExceeded("the step ran past the request deadline (--request-deadline-s)")
+            self.error = DeadlineExceeded(DEADLINE_PASSED)
         if self.error is not None:
             raise self.error
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -30,7 +31,7 @@ from radix_ext.sglang.hints import ChainIntent
 from radix_ext.sglang.report import report_of
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime.accounting import StepAccounting, attention_work
-from session_runtime.backends.base import Backend, ChainState, StepRequest, StepResult, StepTiming
+from session_runtime.backends.base import Backend, Cancellation, ChainState, StepRequest, StepResult, StepTiming
 from session_runtime.backends.sglang.after import OwnerQueue
 from session_runtime.backends.sglang.control_client import RequestControl
 from session_runtime.turns import common_prefix
@@ -113,7 +114,7 @@ class SGLangBackend(Backend):
         # conversation's whose host copy this prompt continues (shared).
         promote = bool(self._maybe_on_host)
         body = self._body(req, prompt, forced, promote, riding)
-        chunks = self._stream(body)
+        chunks = self._stream(body, req.cancel)
         first_t = last_t = None
         output: list[int] = []
         final: dict = {}
@@ -241,11 +242,16 @@ class SGLangBackend(Backend):
                 body["logprob_start_len"] = len(prompt) - 1
         return body
 
-    def _stream(self, body: dict):
+    def _stream(self, body: dict, cancel: Optional[Cancellation] = None):
         """Yield each streamed JSON chunk. Raises BackendUnavailable when the
-        server cannot be reached, InvalidRequest when it refuses the request."""
+        server cannot be reached, InvalidRequest when it refuses the request.
+        A step that is cancelled, or whose deadline passes, while no chunk comes
+        (queued in the scheduler) closes the stream at once: SGLang aborts the
+        request, and the step fails with the cancellation's error."""
+        stop = None
         try:
             with self.http.stream("POST", f"{self.url}/generate", json=body) as resp:
+                stop = cancel.watch(lambda: _hang_up(resp)) if cancel is not None else None
                 if resp.status_code >= 400:
                     text = resp.read().decode(errors="replace")
                     raise self._http_error(resp.status_code, text)
@@ -253,8 +259,15 @@ class SGLangBackend(Backend):
                     if "error" in chunk:
                         raise self._abort_error(str(chunk["error"]))
                     yield chunk
-        except httpx.TransportError as exc:
-            raise BackendUnavailable(self._down(f"{type(exc).__name__}: {exc}")) from None
+        except Exception as exc:
+            if cancel is not None and cancel.error is not None:  # we closed it
+                raise cancel.error from None
+            if isinstance(exc, httpx.TransportError):
+                raise BackendUnavailable(self._down(f"{type(exc).__name__}: {exc}")) from None
+            raise
+        finally:
+            if stop is not None:
+                stop()
 
     # ----- a launched server that dies is started again ------------------------
 
@@ -483,6 +496,20 @@ class SGLangBackend(Backend):
             if restarting is not None:
                 restarting.join(timeout=10)
             self.server.stop()
+
+
+def _hang_up(resp: httpx.Response) -> None:
+    """Close a streaming response from another thread: a read blocked in it
+    returns at once (closing the Response alone waits for that read)."""
+    stream = resp.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
+    else:
+        resp.close()
 
 
 def sse_chunks(lines):
