@@ -113,9 +113,13 @@ def test_sglang_dies_and_comes_back(served):
     during = client.get(f"/v1/conversations/{cid}").json()
     assert during["chain"]["cached_tokens"] is None
     assert {k: v for k, v in during.items() if k != "chain"} == {k: v for k, v in before.items() if k != "chain"}
-    assert parse(client.get("/metrics").text)["session_runtime_backend_up"] == 0
+    up = parse(client.get("/metrics").text)["session_runtime_backend_up"]
     health = client.get("/health")
-    assert health.status_code == 503 and health.json()["status"] == "backend_unavailable"
+    # Down until the restart (begun by the step above, or by the lease heartbeat
+    # when it noticed first) is back; on a loaded machine it can be back already.
+    back = "SGLang's server is back" in (data / "runtime.log").read_text()
+    assert up == 0 or back
+    assert (health.status_code == 503 and health.json()["status"] == "backend_unavailable") or back, health.text
 
     def step():
         r = client.post(f"/v1/conversations/{cid}/messages", json={"content": "And 3+3?", "forced": FORCED})
