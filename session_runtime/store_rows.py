@@ -99,6 +99,12 @@ def state_row(conv: Conversation) -> str:
         "generated_ids": list(p.generated_ids)}})
 
 
+def protocol_of(p: Optional[dict]) -> Optional[ProtocolState]:
+    """The open turn's state as `state_row` (and the first schema) wrote it."""
+    return None if p is None else ProtocolState(
+        p["turn"], tuple(ToolCall(**c) for c in p["pending_calls"]), tuple(p["generated_ids"]))
+
+
 def parked_row(conv: Conversation, boot: str) -> str:
     """What the runtime knew of the conversation's KV, for this process only (`boot`):
     its chain is still held by the backend while the conversation is out of memory."""
@@ -123,14 +129,16 @@ def conversation_of(cid: str, tenant: Optional[str], worker: Optional[str], head
             turns.append(TurnRecord(**d))
         else:
             turns[seq].steps.append(StepAccounting(**d))  # the turns' rows all come first
-    p = s["protocol"]
-    protocol = None if p is None else ProtocolState(
-        p["turn"], tuple(ToolCall(**c) for c in p["pending_calls"]), tuple(p["generated_ids"]))
+    return _conversation(cid, tenant, worker, h, history, trace, turns, s["protocol"], s.get("version", 0))
+
+
+def _conversation(cid, tenant, worker, head: dict, history, trace, turns, protocol, version: int) -> Conversation:
+    """From the settings as `head_row` wrote them (the first schema's document has the same keys)."""
     return Conversation(
-        id=cid, system=h["system"], tools=h["tools"], tenant=tenant, template=h["template"],
-        policy=ReasoningPolicy(**h["policy"]), materialize=MaterializeSettings(**h["materialize"]),
-        offload=OffloadSettings(**h.get("offload", {})), history=history, trace=trace, turns=turns,
-        protocol=protocol, worker=worker, version=s.get("version", 0),
+        id=cid, system=head["system"], tools=head["tools"], tenant=tenant, template=head["template"],
+        policy=ReasoningPolicy(**head["policy"]), materialize=MaterializeSettings(**head["materialize"]),
+        offload=OffloadSettings(**head.get("offload", {})), history=history, trace=trace, turns=turns,
+        protocol=protocol_of(protocol), worker=worker, version=version,
         canonical_kind="none",  # the KV is gone after a restart: the next step starts from nothing cached
     )
 
@@ -153,15 +161,6 @@ def unpark(conv: Conversation, parked: Optional[str], boot: str) -> bool:
 def legacy_conversation(text: str) -> Conversation:
     """A conversation as the store's first schema kept it (one JSON document), for the migration."""
     d = json.loads(text)
-    p = d["protocol"]
-    protocol = None if p is None else ProtocolState(
-        p["turn"], tuple(ToolCall(**c) for c in p["pending_calls"]), tuple(p["generated_ids"]))
-    return Conversation(
-        id=d["id"], system=d["system"], tools=d["tools"], tenant=d["tenant"], template=d["template"],
-        policy=ReasoningPolicy(**d["policy"]), materialize=MaterializeSettings(**d["materialize"]),
-        offload=OffloadSettings(**d.get("offload", {})),
-        history=[message_of(m) for m in d["history"]],
-        trace=[trace_of(e) for e in d["trace"]],
-        turns=[TurnRecord(**{**t, "steps": [StepAccounting(**s) for s in t["steps"]]}) for t in d["turns"]],
-        protocol=protocol, worker=d.get("worker"), canonical_kind="none",
-    )
+    turns = [TurnRecord(**{**t, "steps": [StepAccounting(**s) for s in t["steps"]]}) for t in d["turns"]]
+    return _conversation(d["id"], d["tenant"], d.get("worker"), d, [message_of(m) for m in d["history"]],
+                         [trace_of(e) for e in d["trace"]], turns, d["protocol"], 0)

@@ -28,6 +28,41 @@ from session_runtime.templates.base import Message
 DEADLINE_PASSED = "the step ran past the request deadline (--request-deadline-s)"
 
 
+class _Deadlines:
+    """One thread for every watched deadline (a thread per step would be made
+    and torn down on every SGLang step): it cancels each Cancellation whose
+    deadline passes while it is watched."""
+
+    def __init__(self) -> None:
+        self._due: dict = {}  # Cancellation -> deadline
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, cancel: "Cancellation") -> None:
+        with self._cond:
+            self._due[cancel] = cancel.deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="step-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, cancel: "Cancellation") -> None:
+        with self._cond:
+            self._due.pop(cancel, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                passed = [c for c, t in self._due.items() if t <= now]
+                for c in passed:
+                    del self._due[c]
+                if not passed:
+                    self._cond.wait(min(self._due.values(), default=now + 60) - now + 0.01)
+            for c in passed:  # outside the lock: a watcher closes a stream
+                c.cancel(DeadlineExceeded(DEADLINE_PASSED))
+
+
 class Cancellation:
     """Stops a step between two tokens: set from any thread (the client went away,
     shutdown), or by a deadline. The step checks it and fails, changing nothing."""
@@ -51,25 +86,17 @@ class Cancellation:
         deadline passes, for a wait that no token ends (a request queued in a
         server): `fn` unblocks it, and the step then fails at `check`. Returns
         the function that stops watching."""
-        timer = None
-        if self.deadline is not None:
-            timer = threading.Timer(max(0.0, self.deadline - time.monotonic()) + 0.01,
-                                    lambda: self.cancel(DeadlineExceeded(DEADLINE_PASSED)))
-            timer.daemon = True
         with self._lock:
-            if self.error is not None:
-                fired = True
-            else:
-                fired = False
+            fired = self.error is not None
+            if not fired:
                 self._watchers.append(fn)
         if fired:
             fn()
-        elif timer is not None:
-            timer.start()
+        elif self.deadline is not None:
+            _DEADLINES.add(self)
 
         def stop() -> None:
-            if timer is not None:
-                timer.cancel()
+            _DEADLINES.discard(self)
             with self._lock:
                 if fn in self._watchers:
                     self._watchers.remove(fn)
@@ -81,6 +108,9 @@ class Cancellation:
             self.error = DeadlineExceeded(DEADLINE_PASSED)
         if self.error is not None:
             raise self.error
+
+
+_DEADLINES = _Deadlines()
 
 
 @dataclass(frozen=True)
