@@ -21,7 +21,9 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from radix_ext.sglang import mla_attention
     from radix_ext.sglang.cache import BACKEND_NAME, build
+    from radix_ext.sglang.platform import activate
     from radix_ext.sglang.report import is_request_level
 
     if get_radix_cache_factory(BACKEND_NAME) is None:
@@ -29,6 +31,8 @@ def register() -> None:
         HookRegistry.register(HOOK_TARGET, intake, HookType.BEFORE)
         HookRegistry.register(HOOK_TARGET, finish_commands, HookType.AFTER)
         HookRegistry.register(REPORT_HOOK_TARGET, is_request_level, HookType.AROUND)
+    if activate():
+        mla_attention.register()  # DeepSeek's MLA on the CPU platform's torch_native
 
 
 def finish_commands(result, scheduler, *args, **kwargs):
