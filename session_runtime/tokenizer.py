@@ -70,6 +70,10 @@ class Tokenizer:
         """Ids of template text: added tokens written in it (<think>, ...) match."""
         return list(self._encode(text))
 
+    def count(self, text: str) -> int:
+        """len(encode(text)), without the copy."""
+        return len(self._encode(text)) if text else 0
+
     def encode_text(self, text: str) -> list[int]:
         """Ids of user, tool or model text: a control token spelled out in it stays
         plain text, so no input can forge the template's structure."""

@@ -8,6 +8,7 @@ in their outbound and validation rules, which live in their own modules.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ from session_runtime.protocols.base import (
     render_messages_request, strip_result,
 )
 from session_runtime.protocols.canonical import ROLES, Call, ChatRequest, Msg, Reasoning, Reply, Usage, reasoning_text
+from session_runtime.weak_memo import WeakMemo, WireMessage
 
 _MODELLED = ("role", "content", "tool_calls", "tool_call_id")
 
@@ -33,10 +35,26 @@ class ChatCompletions(ChatProtocol):
     # -- requests ----------------------------------------------------------
 
     def parse_request(self, body: dict) -> ChatRequest:
-        return parse_messages_request(body, self.parse_message)
+        return parse_messages_request(body, self._parse_known)
 
     def render_request(self, req: ChatRequest) -> dict:
-        return render_messages_request(req, self.render_message)
+        return render_messages_request(req, self._render_known)
+
+    # A conversation's history goes out at every step: the messages built from
+    # stored ones (`WireMessage`) are parsed, stripped and rendered once each,
+    # for as long as they live (`WeakMemo`); a client's own dicts every time.
+
+    @functools.cached_property
+    def _memos(self) -> tuple[WeakMemo, WeakMemo, WeakMemo]:
+        return WeakMemo(), WeakMemo(), WeakMemo()  # parse, without_reasoning, render
+
+    def _parse_known(self, m: Any, path: str) -> Msg:
+        if type(m) is not WireMessage:
+            return self.parse_message(m, path)
+        return self._memos[0].get(m, lambda m: self.parse_message(m, path))
+
+    def _render_known(self, msg: Msg) -> dict:
+        return self._memos[2].get(msg, self.render_message)
 
     # -- messages ----------------------------------------------------------
 
@@ -104,6 +122,9 @@ class ChatCompletions(ChatProtocol):
 
     def without_reasoning(self, msg: Msg) -> Msg:
         """The message with its reasoning fields removed, everything else as it was."""
+        return self._memos[1].get(msg, self._without_reasoning)
+
+    def _without_reasoning(self, msg: Msg) -> Msg:
         extra = {k: v for k, v in msg.extra.items() if not (k in self.reasoning_fields and isinstance(v, str))}
         return dataclasses.replace(msg, reasoning=None, extra=extra)
 

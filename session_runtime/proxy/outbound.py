@@ -17,8 +17,9 @@ from typing import Callable, Optional
 from session_runtime.errors import InvalidRequest, UpstreamError, UpstreamUnavailable
 from session_runtime.protocols import get_protocol
 from session_runtime.protocols.base import ProtocolInputError, StripOptions, error_message
-from session_runtime.protocols.canonical import ChatRequest, Reply, reasoning_text
+from session_runtime.protocols.canonical import ChatRequest, Msg, Reply, reasoning_text
 from session_runtime.proxy.client import UpstreamClient
+from session_runtime.weak_memo import WeakMemo
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Outbound:
         self.count = count_tokens
         self.options = options
         self.model = model  # sent instead of the request's model, when set
+        self._counted = WeakMemo()
 
     def prepare(self, body: dict) -> tuple[dict, StripAccount]:
         """The body as it will go out, and what the stripper did. Raises
@@ -132,12 +134,18 @@ class Outbound:
 
     def _tokens(self, request: ChatRequest) -> tuple[int, int]:
         """(tokens of every text of the request, tokens of its reasoning)."""
-        reasoning = sum(self.count(reasoning_text(m)) for m in request.messages)
-        other = [_text(m.content) for m in request.messages]
-        other += [c.arguments for m in request.messages for c in m.calls]
-        other += [_text(request.params.get(k)) for k in ("system", "instructions")]
+        counts = [self._counted.get(m, self._message_tokens) for m in request.messages]
+        other = [_text(request.params.get(k)) for k in ("system", "instructions")]
         if request.tools:
             other.append(json.dumps(request.tools, ensure_ascii=False))
+        reasoning = sum(r for _, r in counts)
+        return sum(t for t, _ in counts) + sum(self.count(t) for t in other if t), reasoning
+
+    def _message_tokens(self, m: Msg) -> tuple[int, int]:
+        """(tokens of every text of one message, tokens of its reasoning); kept
+        for as long as the parsed message lives (see protocols/chat.py)."""
+        reasoning = self.count(reasoning_text(m))
+        other = [_text(m.content), *(c.arguments for c in m.calls)]
         return reasoning + sum(self.count(t) for t in other if t), reasoning
 
 

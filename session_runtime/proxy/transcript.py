@@ -19,6 +19,7 @@ from session_runtime.protocols.anthropic import thinking_enabled
 from session_runtime.protocols.base import CHAT_PROTOCOLS  # a client's "chat" wire goes to either as it is
 from session_runtime.protocols.canonical import Reply, reasoning_text
 from session_runtime.templates.base import Message, ToolCall, tool_schema
+from session_runtime.weak_memo import WeakMemo, WireMessage
 
 # The provider's finish reasons that mean the token budget ran out.
 _LENGTH = {"length", "max_tokens", "max_output_tokens", "incomplete"}
@@ -53,25 +54,33 @@ def request_body(protocol: str, system: Optional[str], tools: Sequence[dict], me
     return build[protocol](protocol, system, list(tools), list(messages), dict(params))
 
 
+_CHAT_WIRE = {name: WeakMemo() for name in CHAT_PROTOCOLS}
+
+
 def _chat(protocol, system, tools, messages, params) -> dict:
+    """Chat Completions: one wire message per stored message, each built once
+    for as long as the stored message lives (`WeakMemo`)."""
+    memo = _CHAT_WIRE[protocol]
     out = [{"role": "system", "content": system}] if system else []
-    for m in messages:
-        if m.role == "user":
-            out.append({"role": "user", "content": m.content})
-        elif m.role == "tool":
-            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content})
-        else:
-            wire = wire_of(protocol, m)
-            if wire is None:
-                wire = {"role": "assistant", "content": m.content, "reasoning_content": m.reasoning}
-                if m.tool_calls:
-                    wire["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                        "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in m.tool_calls]
-            out.append(wire)
+    out += [memo.get(m, lambda m: _chat_message(protocol, m)) for m in messages]
     body = {**params, "messages": out}
     if tools:
         body["tools"] = [t if "function" in t else {"type": "function", "function": t} for t in tools]
     return body
+
+
+def _chat_message(protocol: str, m: Message) -> WireMessage:
+    if m.role == "user":
+        return WireMessage(role="user", content=m.content)
+    if m.role == "tool":
+        return WireMessage(role="tool", tool_call_id=m.tool_call_id, content=m.content)
+    wire = wire_of(protocol, m)
+    if wire is None:
+        wire = {"role": "assistant", "content": m.content, "reasoning_content": m.reasoning}
+        if m.tool_calls:
+            wire["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in m.tool_calls]
+    return WireMessage(wire)
 
 
 def _anthropic(protocol, system, tools, messages, params) -> dict:

@@ -231,7 +231,7 @@ def test_a_streamed_5xx_is_unavailable_as_a_plain_ones_is():
                              upstream_protocol="deepseek", upstream_key="k", upstream_timeout_s=5.0,
                              reasoning_passthrough=False, keep_tool_turn_reasoning=False, upstream_model=None,
                              upstream_reasoning_context=None)
-    backend = UpstreamBackend(config, SimpleNamespace(encode=lambda text: text.split()))
+    backend = UpstreamBackend(config, SimpleNamespace(count=lambda text: len(text.split())))
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     for status, raised in ((503, UpstreamUnavailable), (400, UpstreamError)):
         backend.client.stream = contextlib.contextmanager(

@@ -46,7 +46,7 @@ class UpstreamBackend(HoldsNoChain, Backend):
         options = StripOptions(passthrough=config.reasoning_passthrough or passthrough_from_env(),
                                keep_tool_turns=config.keep_tool_turn_reasoning,
                                context=config.upstream_reasoning_context)
-        self.outbound = Outbound(self.client, lambda text: len(tokenizer.encode(text)) if text else 0, options,
+        self.outbound = Outbound(self.client, tokenizer.count, options,
                                  model=config.upstream_model)
         self._steps_ok = 0
         self._steps_failed = 0
