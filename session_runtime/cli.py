@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 import warnings
+from urllib.parse import urlsplit
 
 from session_runtime.api.settings import ApiSettings, allowed_hosts, is_loopback, load_credentials
 from session_runtime.config import ATTENTION_BACKENDS, PRESETS, UPSTREAM_PROTOCOLS, RuntimeConfig
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "chat template is its official one, hf for any other, else qwen3 for Qwen's tokenizer, "
                             "else deepseek")
     serve.add_argument("--data-dir", default="data", help="SQLite store of conversations ('' keeps them in memory)")
+    serve.add_argument("--store", default=None, metavar="URL",
+                       help="keep conversations in PostgreSQL (postgresql://user@host:port/database; a password "
+                            "from libpq's PGPASSWORD or ~/.pgpass) instead of --data-dir's SQLite file")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind; one other than loopback needs an API key (or --insecure)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port, 1 to 65535; bound before the model loads")
@@ -187,6 +191,8 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     upstream = bool(args.upstream) or args.backend == "upstream"
     if upstream and not args.upstream:
         raise ValueError("--backend upstream needs --upstream URL")
+    if args.store is not None and urlsplit(args.store).scheme not in ("postgresql", "postgres"):
+        raise ValueError(f"--store takes a PostgreSQL URL (postgresql://user@host:port/database), got {args.store!r}")
     return RuntimeConfig(
         upstream_url=args.upstream, upstream_protocol=args.upstream_protocol, upstream_key=args.upstream_key,
         upstream_model=args.upstream_model, upstream_timeout_s=args.upstream_timeout_s,
@@ -197,7 +203,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, max_tokens_limit=args.max_tokens_limit,
         seed=args.seed,
-        policy=args.policy, template=args.template, data_dir=args.data_dir or None,
+        policy=args.policy, template=args.template, data_dir=args.data_dir or None, store=args.store,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend="upstream" if upstream else args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
         workers=args.workers, placement_epsilon=args.placement_epsilon, router_url=args.router_url,

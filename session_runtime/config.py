@@ -136,6 +136,9 @@ class RuntimeConfig:
     # the host full, released to LRU); under pressure idle chains go first. 0: never.
     idle_ttl_s: float = 300.0
     data_dir: Optional[str] = None  # SQLite store of conversations; None keeps them in memory
+    # A PostgreSQL URL: conversations kept there instead of data_dir's SQLite file
+    # (the data folder still holds the server secret and stored responses).
+    store: Optional[str] = None
     # With a store: conversations kept in memory at once; past it the least
     # recently used idle ones leave memory and are read back at their next use. 0: no bound.
     max_resident_conversations: int = 4096

@@ -70,9 +70,14 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
         self.template(self.config.template)  # fail at start, not on the first request
         self.store: Optional[Store] = None
         self._unstored = Unstored()  # without a store: the bytes each conversation would take in one
-        if self.config.data_dir:
+        if self.config.store or self.config.data_dir:
             # Only the index: a conversation is read at its first use (_load).
-            self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
+            if self.config.store:
+                from session_runtime.store_pg import PgStore
+
+                self.store = PgStore(self.config.store)
+            else:
+                self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
             for stored in self.store.index():
                 self.conversations.know(stored.id, stored.tenant)
                 self._conv_locks[stored.id] = threading.Lock()

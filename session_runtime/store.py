@@ -28,26 +28,28 @@ from session_runtime.conversation import Conversation
 from session_runtime.store_delta import Written, delta, written_of
 from session_runtime.store_rows import conversation_of, legacy_conversation, parked_row, unpark
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS conv (
+# One schema for SQLite and PostgreSQL: {now} is the dialect's clock, {rowid}
+# SQLite's clustering clause.
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS conv (
     id TEXT PRIMARY KEY,
     tenant TEXT,
     worker TEXT,
-    bytes INTEGER NOT NULL,
+    bytes BIGINT NOT NULL,
     head TEXT NOT NULL,
     state TEXT NOT NULL,
     parked TEXT,
-    updated_at REAL NOT NULL DEFAULT (julianday('now'))
-);
-CREATE TABLE IF NOT EXISTS conv_rows (
+    updated_at DOUBLE PRECISION NOT NULL DEFAULT ({now})
+)""",
+    """CREATE TABLE IF NOT EXISTS conv_rows (
     conv TEXT NOT NULL,
     kind INTEGER NOT NULL,
     seq INTEGER NOT NULL,
     sub INTEGER NOT NULL,
     data TEXT NOT NULL,
     PRIMARY KEY (conv, kind, seq, sub)
-) WITHOUT ROWID;
-"""
+){rowid}""",
+)
 
 
 class Stored(NamedTuple):
@@ -60,7 +62,11 @@ class Stored(NamedTuple):
 
 
 class Store:
-    """One SQLite file; safe to call from several threads."""
+    """The conversations' rows in one SQL database: an SQLite file (one
+    process, the default) or PostgreSQL (`store_pg.py`, shared by several).
+    Safe to call from several threads."""
+
+    now = "julianday('now')"  # the dialect's clock, for `updated_at`
 
     def __init__(self, path: Path):
         # The file holds every tenant's conversations: readable by its owner
@@ -70,13 +76,27 @@ class Store:
         os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
         os.chmod(path, 0o600)
         self.path = path
-        self.boot = uuid.uuid4().hex  # this process: what it parks, only it reads back
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
+        self._setup(" WITHOUT ROWID")
+
+    def _setup(self, rowid: str = "") -> None:
+        self.boot = uuid.uuid4().hex  # this process: what it parks, only it reads back
+        for statement in _SCHEMA:
+            self._sql(statement.format(now=self.now, rowid=rowid))
         self._lock = threading.Lock()
         self._written: dict[str, Written] = {}  # conversations in memory: what the store holds of each
         self._migrate()
+
+    def _sql(self, query: str, params: tuple = ()):
+        """Run one statement (written with `?` placeholders)."""
+        return self._db.execute(query, params)
+
+    def _sql_many(self, query: str, rows: list) -> None:
+        self._db.executemany(query, rows)
+
+    def describe(self) -> str:
+        return f"SQLite {self.path}"
 
     # ----- writing --------------------------------------------------------------
 
@@ -94,43 +114,46 @@ class Store:
 
     def _write(self, db, conv: Conversation, d, size: int, fresh: bool) -> None:
         if fresh:  # what this process has not written or read: nothing of it may stay
-            db.execute("DELETE FROM conv_rows WHERE conv = ?", (conv.id,))
+            self._sql("DELETE FROM conv_rows WHERE conv = ?", (conv.id,))
         for where, params in d.deletes:
-            db.execute(f"DELETE FROM conv_rows WHERE conv = ? AND {where}", (conv.id, *params))
-        db.executemany("INSERT INTO conv_rows(conv, kind, seq, sub, data) VALUES(?, ?, ?, ?, ?)",
-                       [(conv.id, *row) for row in d.inserts])
+            self._sql(f"DELETE FROM conv_rows WHERE conv = ? AND {where}", (conv.id, *params))
+        if d.inserts:
+            self._sql_many("INSERT INTO conv_rows(conv, kind, seq, sub, data) VALUES(?, ?, ?, ?, ?)",
+                           [(conv.id, *row) for row in d.inserts])
         if d.head is not None:
-            db.execute("INSERT INTO conv(id, tenant, worker, bytes, head, state) VALUES(?, ?, ?, ?, ?, ?) "
-                       "ON CONFLICT(id) DO UPDATE SET tenant=excluded.tenant, worker=excluded.worker, "
-                       "bytes=excluded.bytes, head=excluded.head, state=excluded.state, parked=NULL, "
-                       "updated_at=julianday('now')",
-                       (conv.id, conv.tenant, conv.worker, size, d.head, d.state))
+            self._sql("INSERT INTO conv(id, tenant, worker, bytes, head, state) VALUES(?, ?, ?, ?, ?, ?) "
+                      "ON CONFLICT(id) DO UPDATE SET tenant=excluded.tenant, worker=excluded.worker, "
+                      "bytes=excluded.bytes, head=excluded.head, state=excluded.state, parked=NULL, "
+                      f"updated_at={self.now}",
+                      (conv.id, conv.tenant, conv.worker, size, d.head, d.state))
         else:
-            db.execute("UPDATE conv SET worker = ?, bytes = ?, state = ?, parked = NULL, "
-                       "updated_at = julianday('now') WHERE id = ?", (conv.worker, size, d.state, conv.id))
+            self._sql("UPDATE conv SET worker = ?, bytes = ?, state = ?, parked = NULL, "
+                      f"updated_at = {self.now} WHERE id = ?", (conv.worker, size, d.state, conv.id))
+
+    begin = "BEGIN IMMEDIATE"
 
     def _transaction(self, body) -> None:
         """Run `body(db)` in one transaction, the store's lock held."""
-        self._db.execute("BEGIN IMMEDIATE")
+        self._sql(self.begin)
         try:
             body(self._db)
         except BaseException:
-            self._db.execute("ROLLBACK")
+            self._sql("ROLLBACK")
             raise
-        self._db.execute("COMMIT")
+        self._sql("COMMIT")
 
     def park(self, conv: Conversation) -> None:
         """The conversation leaves memory: keep what the runtime knew of its KV
         (for this process), and forget what was written of it."""
         with self._lock:
-            self._db.execute("UPDATE conv SET parked = ? WHERE id = ?", (parked_row(conv, self.boot), conv.id))
+            self._sql("UPDATE conv SET parked = ? WHERE id = ?", (parked_row(conv, self.boot), conv.id))
             self._written.pop(conv.id, None)
 
     def delete(self, conversation_id: str) -> None:
         with self._lock:
             def gone(db) -> None:
-                db.execute("DELETE FROM conv_rows WHERE conv = ?", (conversation_id,))
-                db.execute("DELETE FROM conv WHERE id = ?", (conversation_id,))
+                self._sql("DELETE FROM conv_rows WHERE conv = ?", (conversation_id,))
+                self._sql("DELETE FROM conv WHERE id = ?", (conversation_id,))
             self._transaction(gone)
             self._written.pop(conversation_id, None)
 
@@ -139,19 +162,19 @@ class Store:
     def index(self) -> list[Stored]:
         """Every stored conversation's id, tenant, worker and bytes, least recently written first."""
         with self._lock:
-            rows = self._db.execute("SELECT id, tenant, worker, bytes FROM conv ORDER BY updated_at").fetchall()
+            rows = self._sql("SELECT id, tenant, worker, bytes FROM conv ORDER BY updated_at").fetchall()
         return [Stored(*row) for row in rows]
 
     def load(self, conversation_id: str) -> Optional[tuple[Conversation, bool]]:
         """The stored conversation (None: there is none), and whether what this
         process knew of its KV came back with it (it was parked here)."""
         with self._lock:
-            row = self._db.execute("SELECT tenant, worker, head, state, parked FROM conv WHERE id = ?",
-                                   (conversation_id,)).fetchone()
+            row = self._sql("SELECT tenant, worker, head, state, parked FROM conv WHERE id = ?",
+                            (conversation_id,)).fetchone()
             if row is None:
                 return None
-            rows = self._db.execute("SELECT kind, seq, sub, data FROM conv_rows WHERE conv = ? "
-                                    "ORDER BY kind, seq, sub", (conversation_id,)).fetchall()
+            rows = self._sql("SELECT kind, seq, sub, data FROM conv_rows WHERE conv = ? "
+                             "ORDER BY kind, seq, sub", (conversation_id,)).fetchall()
             tenant, worker, head, state, parked = row
             conv = conversation_of(conversation_id, tenant, worker, head, state, rows)
             self._written[conversation_id] = written_of(conv, rows, head, state)

@@ -156,3 +156,21 @@ def embedded_twin(tiny_hf_folder):
     rt = _folder_runtime(tiny_hf_folder, "embedded")
     yield rt
     rt.close()
+
+
+# ----- PostgreSQL --------------------------------------------------------------
+# One server per test session (tests/postgres.py); each test that asks for a
+# store gets a fresh database on it.
+
+@pytest.fixture(scope="session")
+def postgres():
+    from tests.postgres import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(postgres):
+    return postgres.new_database()

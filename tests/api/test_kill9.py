@@ -1,6 +1,7 @@
 """`kill -9` of a loaded `session-runtime serve`, then a restart on the same
-data folder: every step the server acknowledged (HTTP 200) is there, each
-conversation's record is whole, and the conversations go on."""
+data folder (or the same PostgreSQL store): every step the server
+acknowledged (HTTP 200) is there, each conversation's record is whole, and
+the conversations go on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.api.conftest import serve_cli
 
@@ -16,8 +18,10 @@ from tests.api.conftest import serve_cli
 FLAGS = ("--max-context", "2048", "--pool-tokens", "16384", "--no-access-log")
 
 
-def test_kill_9_under_load_loses_no_acknowledged_step(tmp_path):
-    proc, url = serve_cli(tmp_path, *FLAGS)
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_kill_9_under_load_loses_no_acknowledged_step(tmp_path, store, request):
+    flags = FLAGS if store == "sqlite" else (*FLAGS, "--store", request.getfixturevalue("pg_url"))
+    proc, url = serve_cli(tmp_path, *flags)
     acked: dict[str, list[str]] = {}  # conversation -> user messages of acknowledged steps
     stop = threading.Event()
     try:
@@ -54,7 +58,7 @@ def test_kill_9_under_load_loses_no_acknowledged_step(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    proc, url = serve_cli(tmp_path, *FLAGS)  # another port: the address is only the client's concern
+    proc, url = serve_cli(tmp_path, *flags)  # another port: the address is only the client's concern
     try:
         with httpx.Client(base_url=url, timeout=30) as c:
             for cid in cids:

@@ -2,7 +2,8 @@
 any sequence of the changes steps make (append, a turn's close rewriting its
 messages, a client's other history, a turn record changed in place, a failed
 write), a load equals the conversation in memory, and the bytes kept step by
-step equal a whole write's. A store of the first schema is migrated."""
+step equal a whole write's; in SQLite and in PostgreSQL (a real server,
+tests/postgres.py). A store of the first schema is migrated."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from session_runtime.conversation import Conversation, ProtocolState, TraceEntry
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.store import Store
+from session_runtime.store_pg import PgStore
 from session_runtime.store_delta import delta
 from session_runtime.templates.base import Message, ToolCall
 
@@ -82,10 +84,19 @@ def _layers(conv: Conversation) -> dict:
             "turns": [dataclasses.asdict(t) for t in conv.turns]}
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_store(request, tmp_path):
+    """A function that opens the same store again (another process would)."""
+    if request.param == "sqlite":
+        return lambda: Store(tmp_path / "s.sqlite3")
+    url = request.getfixturevalue("pg_url")
+    return lambda: PgStore(url)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_what_is_loaded_is_what_was_in_memory_after_any_changes(tmp_path, seed):
+def test_what_is_loaded_is_what_was_in_memory_after_any_changes(open_store, seed):
     rng = random.Random(seed)
-    store = Store(tmp_path / "s.sqlite3")
+    store = open_store()
     conv = _conv()
     try:
         for _ in range(60):
@@ -98,7 +109,7 @@ def test_what_is_loaded_is_what_was_in_memory_after_any_changes(tmp_path, seed):
                 store._write = real
             size = store.save(conv)
             assert size == delta(conv, None).written.bytes  # kept by deltas, as a whole write counts it
-            fresh = Store(tmp_path / "s.sqlite3")  # another reader: only what was committed
+            fresh = open_store()  # another reader: only what was committed
             loaded, parked = fresh.load("c")
             fresh.close()
             assert _layers(loaded) == _layers(conv) and not parked
@@ -107,10 +118,10 @@ def test_what_is_loaded_is_what_was_in_memory_after_any_changes(tmp_path, seed):
         store.close()
 
 
-def test_a_parked_conversation_comes_back_with_its_kv_state_in_this_process_only(tmp_path):
+def test_a_parked_conversation_comes_back_with_its_kv_state_in_this_process_only(open_store):
     from session_runtime.uncached import Known
 
-    store = Store(tmp_path / "s.sqlite3")
+    store = open_store()
     conv = _conv()
     conv.history = [Message("user", 0, "hi")]
     store.save(conv)
@@ -122,7 +133,7 @@ def test_a_parked_conversation_comes_back_with_its_kv_state_in_this_process_only
     assert parked and back.chain_tokens == [1, 2, 3] and back.canonical_kind == "prefix"
     assert back.shadows == conv.shadows and back.known == dataclasses.replace(conv.known, sequence=[1, 2, 3])
     store.close()
-    other = Store(tmp_path / "s.sqlite3")  # another process: its KV is not this one's
+    other = open_store()  # another process: its KV is not this one's
     back, parked = other.load("c")
     assert not parked and back.chain_tokens == [] and back.canonical_kind == "none"
     other.close()

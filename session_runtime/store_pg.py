@@ -1,0 +1,68 @@
+"""The conversation store in PostgreSQL: `serve --store postgresql://...`.
+
+The same rows and the same one-transaction-per-step writes as the SQLite
+store (store.py), over one connection per runtime process, in autocommit mode
+with explicit transactions (`BEGIN ... COMMIT`), so that a step's rows are
+durable when its response returns (PostgreSQL's default `synchronous_commit`).
+Several runtime processes may share one database; each writes only the
+conversations it serves.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from session_runtime.errors import InvalidRequest
+from session_runtime.store import Store
+
+SCHEMES = ("postgresql", "postgres")
+_SCHEMA_LOCK = 0x5E55_1011  # an advisory lock's key: creating the tables
+
+
+def check_url(url: str) -> str:
+    """The URL as given, or InvalidRequest naming what is wrong with it."""
+    if urlsplit(url).scheme not in SCHEMES:  # the CLI checks it the same way, before importing this
+        raise InvalidRequest(f"--store takes a PostgreSQL URL (postgresql://user@host:port/database), got {url!r}")
+    return url
+
+
+class PgStore(Store):
+    now = "extract(epoch from clock_timestamp())"
+    begin = "BEGIN"
+
+    def __init__(self, url: str):
+        import psycopg
+
+        self.url = check_url(url)
+        try:
+            self._db = psycopg.connect(url, autocommit=True)
+        except psycopg.Error as exc:
+            raise InvalidRequest(f"cannot connect to the store at {_safe(url)}: {str(exc).strip()}") from None
+        # Two processes starting at once must not both create the tables.
+        self._db.execute("SELECT pg_advisory_lock(%s)", (_SCHEMA_LOCK,))
+        try:
+            self._setup()
+        finally:
+            self._db.execute("SELECT pg_advisory_unlock(%s)", (_SCHEMA_LOCK,))
+
+    def _sql(self, query: str, params: tuple = ()):
+        return self._db.execute(query.replace("?", "%s"), params, prepare=True)
+
+    def _sql_many(self, query: str, rows: list) -> None:
+        with self._db.cursor() as cur:
+            cur.executemany(query.replace("?", "%s"), rows)
+
+    def _migrate(self) -> None:
+        """A PostgreSQL store has only ever had rows."""
+
+    def describe(self) -> str:
+        return f"PostgreSQL {_safe(self.url)}"
+
+
+def _safe(url: str) -> str:
+    """The URL without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return parts._replace(netloc=netloc).geturl()
