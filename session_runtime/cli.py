@@ -139,7 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default="data", help="SQLite store of conversations ('' keeps them in memory)")
     serve.add_argument("--store", default=None, metavar="URL",
                        help="keep conversations in PostgreSQL (postgresql://user@host:port/database; a password "
-                            "from libpq's PGPASSWORD or ~/.pgpass) instead of --data-dir's SQLite file")
+                            "from libpq's PGPASSWORD or ~/.pgpass) instead of --data-dir's SQLite file; several "
+                            "processes over one store share its conversations, each serving its own (docs/fleet.md)")
+    serve.add_argument("--advertise-url", default=None, metavar="URL",
+                       help="with --store: the URL the other processes over the store reach this one at (default: "
+                            "http://HOST:PORT, the machine's name for a wildcard --host)")
+    serve.add_argument("--member-ttl-s", type=float, default=_DEFAULTS.member_ttl_s, metavar="S",
+                       help="with --store: a process silent this long is gone, and the others take its "
+                            "conversations over")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind; one other than loopback needs an API key (or --insecure)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port, 1 to 65535; bound before the model loads")
@@ -204,6 +211,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         pool_tokens=args.pool_tokens, max_context=args.max_context, max_tokens_limit=args.max_tokens_limit,
         seed=args.seed,
         policy=args.policy, template=args.template, data_dir=args.data_dir or None, store=args.store,
+        advertise_url=_advertised(args) if args.store else None, member_ttl_s=args.member_ttl_s,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend="upstream" if upstream else args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),
         workers=args.workers, placement_epsilon=args.placement_epsilon, router_url=args.router_url,
@@ -213,6 +221,15 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         max_resident_conversations=args.max_resident_conversations,
         max_tenant_bytes=args.max_tenant_bytes, max_tools=args.max_tools, max_tools_bytes=args.max_tools_bytes,
     )
+
+
+def _advertised(args: argparse.Namespace) -> str:
+    if args.advertise_url:
+        if urlsplit(args.advertise_url).scheme not in ("http", "https"):
+            raise ValueError(f"--advertise-url must be an http(s) URL, got {args.advertise_url!r}")
+        return args.advertise_url
+    host = socket.gethostname() if args.host in ("0.0.0.0", "::", "") else args.host
+    return f"http://{'[' + host + ']' if ':' in host else host}:{args.port}"
 
 
 def _param(text: str) -> tuple[str, str]:

@@ -139,6 +139,11 @@ class RuntimeConfig:
     # A PostgreSQL URL: conversations kept there instead of data_dir's SQLite file
     # (the data folder still holds the server secret and stored responses).
     store: Optional[str] = None
+    # With `store`: the URL the other runtime processes over the same store reach
+    # this one at (fleet.py); set, this process joins them. A member silent for
+    # member_ttl_s is gone: the others take its conversations over.
+    advertise_url: Optional[str] = None
+    member_ttl_s: float = 3.0
     # With a store: conversations kept in memory at once; past it the least
     # recently used idle ones leave memory and are read back at their next use. 0: no bound.
     max_resident_conversations: int = 4096

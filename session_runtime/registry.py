@@ -74,6 +74,14 @@ class Conversations(Mapping):
             self._counts[self._tenants.pop(cid)] -= 1
         return self._resident.pop(cid, default)
 
+    def drop_resident(self, cid: Optional[str] = None) -> None:
+        """Forget what memory holds of a conversation (None: of all): it is
+        read from the store again at its next use."""
+        if cid is None:
+            self._resident.clear()
+        else:
+            self._resident.pop(cid, None)
+
     def peek(self, cid: str) -> Optional[Conversation]:
         """The conversation if it is in memory, without reading it or marking it used."""
         return self._resident.get(cid)

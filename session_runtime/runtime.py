@@ -69,6 +69,7 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
         self._stopping = False
         self.template(self.config.template)  # fail at start, not on the first request
         self.store: Optional[Store] = None
+        self.fleet = None  # several processes over one PostgreSQL store (fleet.py)
         self._unstored = Unstored()  # without a store: the bytes each conversation would take in one
         if self.config.store or self.config.data_dir:
             # Only the index: a conversation is read at its first use (_load).
@@ -76,6 +77,12 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
                 from session_runtime.store_pg import PgStore
 
                 self.store = PgStore(self.config.store)
+                if self.config.advertise_url:
+                    from session_runtime.fleet import Fleet
+
+                    self.fleet = Fleet(self.config.store, self.config.advertise_url, self.config.member_ttl_s)
+                    self.store.member = self.fleet.id
+                    self.fleet.on_lost = self._forget_resident
             else:
                 self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
             for stored in self.store.index():
@@ -83,6 +90,37 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
                 self._conv_locks[stored.id] = threading.Lock()
                 self._sized_id(stored.id, stored.tenant, stored.bytes)
         self.backend.adopt(sorted(self.conversations))  # chains of conversations it does not know are released
+        if self.fleet is not None:
+            self.fleet.start()
+
+    def take(self, cid: str, claimed: bool) -> None:
+        """In a fleet, a request for `cid` is served here: a conversation another
+        process created since start-up becomes known; one this process just took
+        over is read from the store again, its KV here is released (the next
+        step prefills what the other process had computed: `backend_lost`)."""
+        with self._lock:
+            if claimed:
+                self.conversations.drop_resident(cid)
+                self.store.forget(cid)
+            known = cid in self.conversations
+        if claimed:
+            self.backend.release(cid)
+        if known:
+            return
+        stored = self.store.stored(cid)
+        if stored is None:
+            return
+        with self._lock:
+            if stored.id not in self.conversations:
+                self.conversations.know(stored.id, stored.tenant)
+                self._conv_locks[stored.id] = threading.Lock()
+                self._sized_id(stored.id, stored.tenant, stored.bytes)
+
+    def _forget_resident(self) -> None:
+        """This process's beat lapsed: another may have served its conversations since."""
+        with self._lock:
+            self.conversations.drop_resident()
+            self.store.forget()
 
     def _load(self, cid: str) -> Optional[Conversation]:
         """A stored conversation's first use since start-up, or since it left
@@ -131,6 +169,10 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
             conv.turns[-1].canonical_built(job.prefill_tokens)
             conv.canonical_kind = "canonical"
             self._persist(conv)
+
+    def _new_id(self) -> str:
+        draw = lambda: uuid.uuid4().hex[:16]  # noqa: E731
+        return draw() if self.fleet is None else self.fleet.new_id(draw)
 
     def _persist(self, conv: Conversation) -> None:
         conv.worker = self.backend.worker_of(conv.id) or conv.worker  # a step may have moved it
@@ -230,7 +272,7 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
         if conversation_id is not None and (not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 128):
             raise InvalidRequest("conversation_id must be a string of 1 to 128 characters")
         conv = Conversation(
-            id=conversation_id or uuid.uuid4().hex[:16], system=system or None, tools=tools,
+            id=conversation_id or self._new_id(), system=system or None, tools=tools,
             tenant=tenant or None, template=template,
             policy=ReasoningPolicy(policy or self.config.policy, keep_last_k),
             materialize=MaterializeSettings(materialize, continue_probability=continue_probability),
@@ -512,5 +554,7 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
         self.materializer.close()
         self.offload.close()
         self.backend.close()
+        if self.fleet is not None:
+            self.fleet.close()  # the others take its conversations over at once
         if self.store is not None:
             self.store.close()

@@ -165,6 +165,21 @@ class Store:
             rows = self._sql("SELECT id, tenant, worker, bytes FROM conv ORDER BY updated_at").fetchall()
         return [Stored(*row) for row in rows]
 
+    def stored(self, conversation_id: str) -> Optional[Stored]:
+        """One conversation's index row (another process may have written it since start-up)."""
+        with self._lock:
+            row = self._sql("SELECT id, tenant, worker, bytes FROM conv WHERE id = ?", (conversation_id,)).fetchone()
+        return None if row is None else Stored(*row)
+
+    def forget(self, conversation_id: Optional[str] = None) -> None:
+        """What this process wrote of a conversation (None: of every one) may
+        no longer be what the store holds: its next save writes it whole."""
+        with self._lock:
+            if conversation_id is None:
+                self._written.clear()
+            else:
+                self._written.pop(conversation_id, None)
+
     def load(self, conversation_id: str) -> Optional[tuple[Conversation, bool]]:
         """The stored conversation (None: there is none), and whether what this
         process knew of its KV came back with it (it was parked here)."""

@@ -10,6 +10,7 @@ conversations it serves.
 
 from __future__ import annotations
 
+from typing import Optional
 from urllib.parse import urlsplit
 
 from session_runtime.errors import InvalidRequest
@@ -26,9 +27,14 @@ def check_url(url: str) -> str:
     return url
 
 
+class NotOwner(Exception):
+    """Another runtime process serves this conversation now (fleet.py)."""
+
+
 class PgStore(Store):
     now = "extract(epoch from clock_timestamp())"
     begin = "BEGIN"
+    member: Optional[str] = None  # in a fleet (fleet.py): this process; its writes are fenced
 
     def __init__(self, url: str):
         import psycopg
@@ -51,6 +57,19 @@ class PgStore(Store):
     def _sql_many(self, query: str, rows: list) -> None:
         with self._db.cursor() as cur:
             cur.executemany(query.replace("?", "%s"), rows)
+
+    def _write(self, db, conv, d, size: int, fresh: bool) -> None:
+        """In a fleet, a conversation's rows are written only by its owner: the
+        owner is read and its row locked in the step's transaction, so a
+        member that lost the conversation (its beat lapsed, another took it
+        over) cannot write, and a claim waits for a write under way."""
+        if self.member is not None:
+            row = self._sql("SELECT owner FROM conv WHERE id = ? FOR UPDATE", (conv.id,)).fetchone()
+            if row is not None and row[0] not in (None, self.member):
+                raise NotOwner(f"conversation {conv.id!r} is served by runtime process {row[0]} now; retry")
+        super()._write(db, conv, d, size, fresh)
+        if self.member is not None:
+            self._sql("UPDATE conv SET owner = ? WHERE id = ? AND owner IS NULL", (self.member, conv.id))
 
     def _migrate(self) -> None:
         """A PostgreSQL store has only ever had rows."""

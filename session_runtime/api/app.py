@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from session_runtime.api.auth import AccessLog, Authenticate, CheckHost, current_caller, tenant_of_new, tenant_tree, visible
 from session_runtime.api.content_type import JsonBodies
 from session_runtime.api.errors import ApiError, InternalErrors, error_response
+from session_runtime.api.forward import Forward
 from session_runtime.api.limits import BodyLimit
 from session_runtime.api.openai_compat import build_router
 from session_runtime.api.protocol_routes import build_protocol_routes
@@ -64,6 +65,7 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
     # Added last runs first: the Host, then the key, are checked before the body is read at all;
     # the body's type and depth once BodyLimit has bounded its size.
     app.add_middleware(InternalErrors, on_error=metrics.record_error)
+    app.add_middleware(Forward, runtime=runtime)  # in a fleet: to the process that owns the conversation
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Authenticate, settings=settings)
@@ -109,6 +111,8 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
                 "device": runtime.config.device, "backend": runtime.backend.name}
         if hasattr(runtime.backend, "describe_workers"):
             body["workers"] = runtime.backend.describe_workers()
+        if runtime.fleet is not None:  # which process answered, and the others it knows are live
+            body["member"], body["members"] = runtime.fleet.id, runtime.fleet.live()
         return body if up else JSONResponse(body, status_code=503)
 
     @app.post("/v1/conversations", status_code=201)

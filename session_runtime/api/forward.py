@@ -1,0 +1,150 @@
+"""Any runtime process of a fleet answers any route (fleet.py): a request for
+a conversation another process owns is forwarded to it, once, and its
+answer (streams included) relayed as it comes.
+
+The conversation of a request is read from the path
+(`/v1/conversations/{id}...`), from `conversation_id` in a chat completion's
+body, or from `/debug/tree?conversation=`. A forwarded request carries
+`x-session-runtime-forwarded` and is served where it lands, never forwarded
+again. Every response names the process that served it
+(`x-session-runtime-member`); a relayed one also names the process that
+relayed it (`x-session-runtime-via`). An owner that cannot be reached (it
+died, and its beat has not lapsed yet) is a 503 with Retry-After: the
+conversation's next request, after the beat lapses, is taken over.
+
+Pure ASGI middleware, inside the body checks (the body is read once here,
+already bounded and checked) and the key check (the owner checks the
+relayed key again).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Optional
+from urllib.parse import parse_qs
+
+import httpx
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from session_runtime.api.auth import _header
+from session_runtime.api.errors import ApiError, error_response
+
+FORWARDED = b"x-session-runtime-forwarded"
+MEMBER = b"x-session-runtime-member"
+VIA = b"x-session-runtime-via"
+_PATH = re.compile(r"^/v1/conversations/([^/]+)")
+_HOP = {b"connection", b"keep-alive", b"transfer-encoding"}  # hop-by-hop: never relayed
+_SET_BY_CLIENT = {b"host", b"content-length"}  # httpx writes the relayed request's own
+
+
+class Forward:
+    def __init__(self, app: ASGIApp, runtime):
+        self.app, self.runtime = app, runtime
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        fleet = self.runtime.fleet
+        if scope["type"] != "http" or fleet is None:
+            await self.app(scope, receive, send)
+            return
+        if _header(scope, FORWARDED) is not None:  # forwarded once: served here
+            await self.app(scope, receive, _stamped(send, MEMBER, fleet.id))
+            return
+        received: list[Message] = []
+        body = b""
+        if scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
+            body, received = await _read(receive)
+
+        async def replay() -> Message:
+            return received.pop(0) if received else await receive()
+
+        cid = conversation_of(scope, body)
+        route = None
+        if cid is not None:
+            try:
+                route = await run_in_threadpool(fleet.route, cid)
+            except Exception as exc:  # the store is away
+                await self._unavailable(scope, send, f"cannot tell which runtime process serves conversation "
+                                                     f"{cid!r}: {exc}")
+                return
+        if route is None or route.url is None:
+            if route is not None:
+                await run_in_threadpool(self.runtime.take, cid, route.claimed)
+            await self.app(scope, replay, _stamped(send, MEMBER, fleet.id))
+            return
+        await self._relay(scope, body, route, send)
+
+    async def _relay(self, scope: Scope, body: bytes, route, send: Send) -> None:
+        me = self.runtime.fleet.id
+        query = scope.get("query_string", b"").decode("latin-1")
+        url = route.url.rstrip("/") + scope["path"] + (f"?{query}" if query else "")
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() not in _HOP | _SET_BY_CLIENT]
+        headers.append((FORWARDED, me.encode()))
+        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            await self._unavailable(scope, send, f"the runtime process serving this conversation ({route.owner} at "
+                                                 f"{route.url}) cannot be reached ({type(exc).__name__}); another "
+                                                 "takes it over once its beat lapses")
+            return
+        try:
+            out = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP]  # raw bytes: their length too
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": [*out, (VIA, me.encode())]})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await response.aclose()
+
+    async def _unavailable(self, scope: Scope, send: Send, message: str) -> None:
+        retry = str(math.ceil(self.runtime.fleet.ttl))
+        err = ApiError(503, "unavailable", message, headers={"retry-after": retry})
+        await error_response(err, scope["path"])(scope, _nothing, _stamped(send, MEMBER, self.runtime.fleet.id))
+
+
+def conversation_of(scope: Scope, body: bytes) -> Optional[str]:
+    """The conversation a request is about, if any."""
+    m = _PATH.match(scope["path"])
+    if m is not None:
+        return m.group(1)
+    if scope["path"] == "/v1/chat/completions" and body:
+        try:
+            cid = json.loads(body).get("conversation_id")
+        except (ValueError, AttributeError):
+            return None  # the route refuses it
+        return cid if isinstance(cid, str) and cid else None
+    if scope["path"] == "/debug/tree":
+        found = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("conversation")
+        return found[0] if found else None
+    return None
+
+
+async def _read(receive: Receive) -> tuple[bytes, list[Message]]:
+    received: list[Message] = []
+    body = bytearray()
+    while True:
+        message = await receive()
+        received.append(message)
+        if message["type"] != "http.request":
+            break
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            break
+    return bytes(body), received
+
+
+def _stamped(send: Send, name: bytes, value: str) -> Send:
+    async def stamped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (name, value.encode())]}
+        await send(message)
+    return stamped
+
+
+async def _nothing() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
