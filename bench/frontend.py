@@ -1,6 +1,6 @@
 """The runtime's own cost per step: by conversation length, and steps/s of one process.
 
-    .venv/bin/python bench/frontend.py [--baseline REV] [--turns 300] [--duration 10] [--concurrency 1,8,32]
+    .venv/bin/python bench/frontend.py [--baseline REV] [--turns 300] [--duration 10] [--concurrency 1,8,32] [--fleet]
 
 Writes bench/results/frontend.json and .png. Upstream mode against a stand-in
 provider on loopback that answers at once (its own process), so that only the
@@ -17,8 +17,11 @@ HTTP by client threads here.
   before this work).
 
 With `--baseline REV` the same runs go against that commit's runtime too (a
-git worktree, the same venv), alternated with this checkout's in one run. Two
-processes over PostgreSQL (issue 25, item 2) are not built: not measured.
+git worktree, the same venv), alternated with this checkout's in one run. With
+`--fleet`, one and two processes of this checkout over one PostgreSQL store (a
+server started here from Debian's package, tests/postgres.py) join the
+throughput levels; agent i talks to process i mod 2, as a round-robin reverse
+proxy would send it (target: two processes at least 1.7x one).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # tests.postgres
 from report import write_report  # noqa: E402
 
 SYSTEM = " ".join(["word"] * 300)
@@ -81,14 +85,14 @@ def free_port() -> int:
 class Served:
     """A runtime process (this checkout's or a worktree's) in upstream mode."""
 
-    def __init__(self, root: Path, upstream: str, name: str):
+    def __init__(self, root: Path, upstream: str, name: str, *flags: str):
         self.name, self.port = name, free_port()
         self.data = tempfile.mkdtemp(prefix=f"frontend-{name}-")
         env = {**os.environ, "PYTHONPATH": str(root)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "session_runtime.cli", "serve", "--upstream", upstream, "--upstream-model", "m",
              "--data-dir", self.data, "--port", str(self.port), "--max-conversations-per-tenant", "0",
-             "--max-tenant-bytes", "0"],
+             "--max-tenant-bytes", "0", "--no-access-log", *flags],
             cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=open(f"{self.data}/log", "w"))
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 180
@@ -120,11 +124,13 @@ def per_turn(served: Served, turns: int) -> dict:
     return {"ms": [round(t, 3) for t in times], "median_ms": {k: round(v, 3) for k, v in medians.items()}}
 
 
-def throughput(served: Served, clients: int, duration: float, turns: int = 20) -> dict:
+def throughput(served, clients: int, duration: float, turns: int = 20) -> dict:
+    """Steps/s of `clients` agents; with several processes (a list), agent i talks to process i mod n."""
+    fleet = served if isinstance(served, list) else [served]
     counts, stop = [0] * clients, time.perf_counter() + duration
 
     def agent(i: int) -> None:
-        with httpx.Client(base_url=served.url, timeout=120) as c:
+        with httpx.Client(base_url=fleet[i % len(fleet)].url, timeout=120) as c:
             while time.perf_counter() < stop:
                 cid = c.post("/v1/conversations", json={"system": SYSTEM, "policy": "drop"}).json()["id"]
                 for _ in range(turns):
@@ -150,13 +156,14 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, part in result["runs"].items():
-        a.plot(range(1, len(part["per_turn"]["ms"]) + 1), part["per_turn"]["ms"], ".", ms=2, label=name)
+        if "per_turn" in part:
+            a.plot(range(1, len(part["per_turn"]["ms"]) + 1), part["per_turn"]["ms"], ".", ms=2, label=name)
         levels = sorted(part["throughput"], key=int)
         b.plot([int(c) for c in levels], [part["throughput"][c]["steps_per_s"] for c in levels], "o-", label=name)
     a.set(xlabel="turn", ylabel="ms per step (HTTP, instant provider)", yscale="log",
           title="the runtime's time per step by conversation length")
     b.set(xlabel="concurrent clients", ylabel="steps/s", xscale="log",
-          title="one runtime process, 20-turn conversations")
+          title="steps/s, 20-turn conversations (SQLite; PostgreSQL x1, x2)")
     b.axhline(270, color="gray", ls="--", lw=0.8, label="target: 3x 90 steps/s")
     for ax in (a, b):
         ax.legend()
@@ -174,6 +181,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--name", default="frontend")
+    ap.add_argument("--fleet", action="store_true",
+                    help="also one and two processes over one PostgreSQL store (a server started here)")
     args = ap.parse_args()
     provider = subprocess.Popen([sys.executable, __file__, "--stand-in"], stdout=subprocess.PIPE, text=True)
     upstream = f"http://127.0.0.1:{provider.stdout.readline().strip()}/v1"
@@ -184,17 +193,27 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.baseline], cwd=ROOT, check=True,
                        capture_output=True)
         roots = {f"baseline {args.baseline}": worktree, **roots}
-    servers = {}
+    servers, fleets, postgres = {}, {}, None
     try:
         servers = {name: Served(root, upstream, name.split()[0]) for name, root in roots.items()}
         runs = {name: {"per_turn": per_turn(s, args.turns), "throughput": {}} for name, s in servers.items()}
+        if args.fleet:
+            from tests.postgres import PostgresServer
+
+            postgres = PostgresServer()
+            for n in (1, 2):
+                store = ("--store", postgres.new_database())
+                fleets[f"postgresql x{n}"] = [Served(ROOT, upstream, f"pg{n}-{i}", *store) for i in range(n)]
+        levels = {**servers, **fleets}
         for c in [int(x) for x in args.concurrency.split(",")]:
-            for name, s in servers.items():  # alternated, level by level
-                runs[name]["throughput"][str(c)] = throughput(s, c, args.duration)
+            for name, s in levels.items():  # alternated, level by level
+                runs.setdefault(name, {"throughput": {}})["throughput"][str(c)] = throughput(s, c, args.duration)
                 print(name, c, runs[name]["throughput"][str(c)], flush=True)
     finally:
-        for s in servers.values():
+        for s in [*servers.values(), *(p for f in fleets.values() for p in f)]:
             s.close()
+        if postgres is not None:
+            postgres.stop()
         provider.terminate()
         if worktree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
@@ -213,13 +232,18 @@ def main() -> None:
             "turn_300_over_turn_10": round(med["300"] / med["10"], 2) if "300" in med else None,
             "turn_300_within_1.5x_of_turn_10": ("300" in med and med["300"] <= 1.5 * med["10"]),
             "best_steps_per_s": best, "steps_per_s_at_least_270": best >= 270,
-            "two_processes_over_postgresql": "not built (issue 25 item 2): not measured",
         },
         "notes": ("server, stand-in provider and client threads share this machine's cores; the client's "
                   "HTTP work competes with the runtime's"),
     }
+    if fleets:
+        one, two = (runs[f"postgresql x{n}"]["throughput"] for n in (1, 2))
+        ratios = {c: round(two[c]["steps_per_s"] / one[c]["steps_per_s"], 2) for c in one}
+        result["targets"]["two_over_one_process_postgresql"] = ratios
+        result["targets"]["two_processes_at_least_1.7x_one"] = max(ratios.values()) >= 1.7
     for name, part in runs.items():
-        print(name, "per-turn medians (ms):", part["per_turn"]["median_ms"])
+        if "per_turn" in part:
+            print(name, "per-turn medians (ms):", part["per_turn"]["median_ms"])
     js, png = write_report(args.name, result, plot)
     print("wrote", js, png)
 

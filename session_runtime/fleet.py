@@ -127,9 +127,11 @@ class Fleet:
                 return cid
         return cid
 
-    def route(self, cid: str) -> Route:
+    def route(self, cid: str, relayed: bool = False) -> Route:
         """Where a request for `cid` is served; claims it for this member when
-        its owner is gone and this member is its first choice."""
+        its owner is gone and this member is its first choice, or when the
+        request was relayed here by a member that found this one its first
+        choice (members' views of who is live may differ for a moment)."""
         for _ in range(3):
             row = self._sql("SELECT owner FROM conv WHERE id = %s", (cid,)).fetchone()
             live = self.live()
@@ -138,7 +140,7 @@ class Fleet:
                 return Route(self.id)
             if owner is not None and owner in live:
                 return Route(owner, live[owner])
-            choice = self.first_choice(cid, live)
+            choice = self.id if relayed else self.first_choice(cid, live)
             if choice != self.id:  # unknown here, or orphaned: its first choice answers (and claims it)
                 return Route(choice, live[choice])
             if row is None:  # no such conversation (yet): served here, a create makes it ours

@@ -120,8 +120,14 @@ class RuntimeInspection:
         except BackendUnavailable:
             pools = []
         stats = self.materializer.stats
+        fleet = []
+        if self.fleet is not None:  # which process answered: its id as a label
+            fleet = [gauge("fleet_member", 1.0, "This runtime process in a fleet over one store (label: its id)"
+                           ).labelled(member=self.fleet.id),
+                     gauge("fleet_members_live", len(self.fleet.live()), "Runtime processes live over the store")]
         return [
             *pools,
+            *fleet,
             gauge("backend_up", float(bool(pools)), "1 when the backend answered for its pool figures, else 0"),
             gauge("conversations", len(self.conversations), "Conversations held"),
             gauge("conversations_resident", self.conversations.resident,

@@ -89,8 +89,9 @@ class Runtime(StepPath, RequestChecks, RuntimeInspection):
                 self.conversations.know(stored.id, stored.tenant)
                 self._conv_locks[stored.id] = threading.Lock()
                 self._sized_id(stored.id, stored.tenant, stored.bytes)
-        self.backend.adopt(sorted(self.conversations))  # chains of conversations it does not know are released
-        if self.fleet is not None:
+        if self.fleet is None:
+            self.backend.adopt(sorted(self.conversations))  # chains of conversations it does not know are released
+        else:  # the others' chains are theirs: a dead one's go back to the LRU when its lease runs out
             self.fleet.start()
 
     def take(self, cid: str, claimed: bool) -> None:

@@ -195,6 +195,8 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
             "chains": chains,
             "conversations": chain_views(runtime, [c for c in chains if conversation in (None, c)]),
         }
+        if runtime.fleet is not None:  # the process answering (a conversation's: its owner, api/forward.py)
+            body["member"] = runtime.fleet.id
         if check and caller.admin:
             body["integrity"] = runtime.integrity()
         return body

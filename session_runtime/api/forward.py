@@ -5,8 +5,10 @@ answer (streams included) relayed as it comes.
 The conversation of a request is read from the path
 (`/v1/conversations/{id}...`), from `conversation_id` in a chat completion's
 body, or from `/debug/tree?conversation=`. A forwarded request carries
-`x-session-runtime-forwarded` and is served where it lands, never forwarded
-again. Every response names the process that served it
+`x-session-runtime-forwarded` and is never relayed again: where it lands,
+the conversation is taken over if its owner is gone (the relaying process
+found this one its first choice), or refused with a 503 if another process
+took it meanwhile. Every response names the process that served it
 (`x-session-runtime-member`); a relayed one also names the process that
 relayed it (`x-session-runtime-via`). An owner that cannot be reached (it
 died, and its beat has not lapsed yet) is a 503 with Retry-After: the
@@ -50,9 +52,7 @@ class Forward:
         if scope["type"] != "http" or fleet is None:
             await self.app(scope, receive, send)
             return
-        if _header(scope, FORWARDED) is not None:  # forwarded once: served here
-            await self.app(scope, receive, _stamped(send, MEMBER, fleet.id))
-            return
+        relayed = _header(scope, FORWARDED) is not None
         received: list[Message] = []
         body = b""
         if scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
@@ -65,7 +65,7 @@ class Forward:
         route = None
         if cid is not None:
             try:
-                route = await run_in_threadpool(fleet.route, cid)
+                route = await run_in_threadpool(fleet.route, cid, relayed)
             except Exception as exc:  # the store is away
                 await self._unavailable(scope, send, f"cannot tell which runtime process serves conversation "
                                                      f"{cid!r}: {exc}")
@@ -74,6 +74,10 @@ class Forward:
             if route is not None:
                 await run_in_threadpool(self.runtime.take, cid, route.claimed)
             await self.app(scope, replay, _stamped(send, MEMBER, fleet.id))
+            return
+        if relayed:  # relayed once already, and another member took it meanwhile: never twice
+            await self._unavailable(scope, send, f"conversation {cid!r} moved to runtime process {route.owner} "
+                                                 "while this request was relayed; retry")
             return
         await self._relay(scope, body, route, send)
 

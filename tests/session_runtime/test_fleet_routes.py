@@ -1,0 +1,92 @@
+"""Who serves a conversation in a fleet (session_runtime/fleet.py), on a real
+PostgreSQL server: a live owner keeps it, an orphan goes to its first choice
+(or to the member a request was relayed to), a claim happens once, and the
+store refuses a write from a member that does not own the conversation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from session_runtime.fleet import Fleet, rank
+from session_runtime.store_pg import NotOwner, PgStore
+from tests.session_runtime.test_store import _conv
+
+
+@pytest.fixture
+def fleet(pg_url):
+    store = PgStore(pg_url)  # the tables
+    a, b = Fleet(pg_url, "http://a", ttl=1.0, member="a"), Fleet(pg_url, "http://b", ttl=1.0, member="b")
+    a._beat()  # each sees the other (no beat threads here: the tests beat by hand)
+    yield store, a, b
+    for f in (a, b):
+        f.close()
+    store.close()
+
+
+def _owned(store: PgStore, cid: str, owner) -> None:
+    store.save(_conv(cid))
+    store._sql("UPDATE conv SET owner = ? WHERE id = ?", (owner, cid))
+
+
+def _first_choice_of(cid: str, members) -> str:
+    return max(members, key=lambda m: rank(m, cid))
+
+
+def test_a_live_owner_keeps_its_conversation(fleet):
+    store, a, b = fleet
+    _owned(store, "c1", "a")
+    assert a.route("c1").url is None and not a.route("c1").claimed
+    assert b.route("c1").url == "http://a"
+    assert b.route("c1", relayed=True).url == "http://a"  # relayed to b meanwhile: refused there, never twice
+
+
+def test_an_orphan_goes_to_its_first_choice_once(fleet):
+    store, a, b = fleet
+    store._sql("INSERT INTO members(id, url, beat) VALUES('dead', 'http://dead', 0)")
+    cids = [f"o{i}" for i in range(8)]
+    for cid in cids:
+        _owned(store, cid, "dead")
+    for cid in cids:
+        first, other = (a, b) if _first_choice_of(cid, ("a", "b")) == "a" else (b, a)
+        assert other.route(cid).url == first.advertise  # relays to the first choice
+        got = first.route(cid)
+        assert got.url is None and got.claimed  # which takes it over
+        assert not first.route(cid).claimed  # once
+    rows = dict(store._sql("SELECT id, owner FROM conv").fetchall())
+    assert {rows[c] for c in cids} == {"a", "b"}  # both took some
+
+
+def test_a_request_relayed_to_a_member_lets_it_take_an_orphan_over(fleet):
+    store, a, b = fleet
+    store._sql("INSERT INTO members(id, url, beat) VALUES('dead', 'http://dead', 0)")
+    cid = next(f"r{i}" for i in range(100) if _first_choice_of(f"r{i}", ("a", "b")) == "a")
+    _owned(store, cid, "dead")
+    got = b.route(cid, relayed=True)  # a third member thought b its first choice
+    assert got.url is None and got.claimed
+    assert a.route(cid).url == "http://b"
+
+
+def test_a_write_from_a_member_that_does_not_own_the_conversation_is_refused(fleet, pg_url):
+    store, a, b = fleet
+    _owned(store, "w", "a")
+    writer = PgStore(pg_url)
+    writer.member = "b"
+    conv, _ = writer.load("w")
+    conv.system = "changed"
+    with pytest.raises(NotOwner):
+        writer.save(conv)
+    assert store.load("w")[0].system == "Be terse."  # nothing of it written
+    writer.member = "a"
+    writer.save(conv)
+    assert store.load("w")[0].system == "changed"
+    writer.close()
+
+
+def test_a_member_that_stops_beating_is_gone(fleet):
+    store, a, b = fleet
+    assert set(a.live()) == {"a", "b"}
+    time.sleep(1.2)  # b's beat lapses (ttl 1 s); a beats
+    a._beat()
+    assert set(a.live()) == {"a"}
