@@ -1,0 +1,136 @@
+"""The runtime's conversations as the store holds them: opening the store
+(SQLite, or PostgreSQL with a fleet of processes over it), the index read at
+start, a conversation read at its first use and parked when it leaves memory,
+each step's write and the per-tenant byte totals it keeps, and what a fleet
+member does when it serves a conversation another process created or owned.
+
+A mixin of `Runtime` (runtime.py), which owns the state these methods use:
+`config`, `backend`, `conversations`, `materializer`, `_lock`, `_conv_locks`,
+`_sizes`, `_tenant_bytes`, `_place`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from session_runtime.conversation import Conversation
+from session_runtime.store import Store, Stored, Unstored
+
+log = logging.getLogger("session_runtime.runtime")
+
+
+class Persistence:
+    def _open_store(self) -> None:
+        """Only the index is read: a conversation is read at its first use (_load)."""
+        self.store: Optional[Store] = None
+        self.fleet = None  # several processes over one PostgreSQL store (fleet.py)
+        self._unstored = Unstored()  # without a store: the bytes each conversation would take in one
+        if self.config.store:
+            from session_runtime.store_pg import PgStore
+
+            self.store = PgStore(self.config.store)
+            if self.config.advertise_url:
+                from session_runtime.fleet import Fleet
+
+                self.fleet = Fleet(self.config.store, self.config.advertise_url, self.config.member_ttl_s)
+                self.store.member = self.fleet.id
+                self.fleet.on_lost = self._forget_resident
+        elif self.config.data_dir:
+            self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
+        for stored in self.store.index() if self.store is not None else ():
+            self._know(stored)
+        if self.fleet is None:
+            self.backend.adopt(sorted(self.conversations))  # chains of conversations it does not know are released
+        else:  # the others' chains are theirs: a dead one's go back to the LRU when its lease runs out
+            self.fleet.start()
+
+    def _know(self, stored: Stored) -> None:
+        """A stored conversation, not read yet."""
+        with self._lock:
+            if stored.id not in self.conversations:
+                self.conversations.know(stored.id, stored.tenant)
+                self._conv_locks[stored.id] = threading.Lock()
+                self._sized_id(stored.id, stored.tenant, stored.bytes)
+
+    def take(self, cid: str, claimed: bool) -> None:
+        """In a fleet, a request for `cid` is served here: a conversation another
+        process created since start-up becomes known; one this process just took
+        over is read from the store again, its KV here is released (the next
+        step prefills what the other process had computed: `backend_lost`)."""
+        with self._lock:
+            if claimed:
+                self.conversations.drop_resident(cid)
+                self.store.forget(cid)
+            known = cid in self.conversations
+        if claimed:
+            self.backend.release(cid)
+        if not known:
+            stored = self.store.stored(cid)
+            if stored is not None:
+                self._know(stored)
+
+    def _forget_resident(self) -> None:
+        """This process's beat lapsed: another may have served its conversations since."""
+        with self._lock:
+            self.conversations.drop_resident()
+            self.store.forget()
+
+    def _load(self, cid: str) -> Optional[Conversation]:
+        """A stored conversation's first use since start-up, or since it left
+        memory (called by `self.conversations`, under the lock)."""
+        loaded = self.store.load(cid) if self.store is not None else None
+        if loaded is None:
+            return None
+        conv, parked = loaded
+        if not parked:  # the KV its steps computed went with the process that ran them
+            conv.known = conv.restored_known()
+        self._place(conv, conv.worker)
+        return conv
+
+    def _evict_idle(self) -> None:
+        """Past --max-resident-conversations, the least recently used
+        conversations that no request and no canonical branch is using leave
+        memory; what the runtime knew of their KV is parked in the store (their
+        chains stay where they are). Nothing is lost: the next use reads them back."""
+        bound = self.config.max_resident_conversations
+        if self.store is None or not bound:
+            return
+        with self._lock:
+            excess = self.conversations.resident - bound
+            for conv in self.conversations.least_recent():
+                if excess <= 0:
+                    return
+                lock = self._conv_locks.get(conv.id)
+                if lock is None or conv.id in self.materializer.jobs or not lock.acquire(blocking=False):
+                    continue
+                try:
+                    self.store.park(conv)
+                    self.conversations.unload(conv.id)
+                    excess -= 1
+                except Exception:  # kept in memory: nothing is lost
+                    log.warning("conversation %s could not be parked; it stays in memory", conv.id, exc_info=True)
+                finally:
+                    lock.release()
+
+    def _new_id(self) -> str:
+        draw = lambda: uuid.uuid4().hex[:16]  # noqa: E731
+        return draw() if self.fleet is None else self.fleet.new_id(draw)
+
+    def _persist(self, conv: Conversation) -> None:
+        conv.worker = self.backend.worker_of(conv.id) or conv.worker  # a step may have moved it
+        self._sized(conv, (self.store or self._unstored).save(conv))
+
+    def _sized(self, conv: Conversation, size: Optional[int]) -> None:
+        """Record the conversation's stored bytes (None: it is gone) in its tenant's total."""
+        self._sized_id(conv.id, conv.tenant, size)
+
+    def _sized_id(self, cid: str, tenant: Optional[str], size: Optional[int]) -> None:
+        with self._lock:
+            old = self._sizes.pop(cid, 0)
+            if size is not None:
+                self._sizes[cid] = size
+            self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) - old + (size or 0)
