@@ -11,17 +11,18 @@ conversation.
   owns the conversation, checked in the step's own transaction
   (store_pg.py), so a member that stalled past its beat cannot acknowledge a
   step another member has taken over.
-- **Placement.** Rendezvous hashing of the conversation id over the live
-  members: a new conversation's id is drawn until this member is its first
-  choice, so conversations spread as requests do; a conversation whose owner
-  is gone goes to its first choice among the live members, which claims it,
-  reads it from the store and rebuilds its KV by prefill (counted as
-  `backend_lost`, as after a restart).
+- **Placement.** The workers' placement (placement.py: consistent hashing
+  of the conversation id with bounded loads) over the live members, each
+  member's load its owned conversations as of the last beat: a new
+  conversation's id is drawn until this member is its first choice (it is
+  created here whatever the draw: conversations spread as requests do); a
+  conversation whose owner is gone goes to its first choice among the live
+  members, which claims it, reads it from the store and rebuilds its KV by
+  prefill (counted as `backend_lost`, as after a restart).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -29,11 +30,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from session_runtime.placement import place, ring
+
 log = logging.getLogger("session_runtime.fleet")
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS members (id TEXT PRIMARY KEY, url TEXT NOT NULL, beat DOUBLE PRECISION NOT NULL)",
     "ALTER TABLE conv ADD COLUMN IF NOT EXISTS owner TEXT",
+    "CREATE INDEX IF NOT EXISTS conv_owner ON conv(owner)",
 )
 NOW = "extract(epoch from clock_timestamp())"
 
@@ -49,16 +53,15 @@ class Route:
     claimed: bool = False
 
 
-def rank(member: str, cid: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{member}\0{cid}".encode(), digest_size=8).digest(), "big")
-
-
 class Fleet:
-    def __init__(self, url: str, advertise: str, ttl: float = 3.0, member: Optional[str] = None):
+    def __init__(self, url: str, advertise: str, ttl: float = 3.0, member: Optional[str] = None,
+                 epsilon: float = 0.25):
         import psycopg
 
         self.id = member or uuid.uuid4().hex[:12]
-        self.advertise, self.ttl = advertise, ttl
+        self.advertise, self.ttl, self.epsilon = advertise, ttl, epsilon
+        self._loads: dict[str, int] = {}
+        self._ring: tuple[tuple, list] = ((), [])  # (members, their hash ring)
         self._db = psycopg.connect(url, autocommit=True)
         self._lock = threading.Lock()
         self._live: dict[str, str] = {}
@@ -83,7 +86,12 @@ class Fleet:
         self._sql(f"INSERT INTO members(id, url, beat) VALUES(%s, %s, {NOW}) ON CONFLICT(id) DO UPDATE "
                   f"SET url = excluded.url, beat = {NOW}", (self.id, self.advertise))
         rows = self._sql(f"SELECT id, url FROM members WHERE beat > {NOW} - %s", (self.ttl,)).fetchall()
+        owned = dict(self._sql("SELECT owner, count(*) FROM conv WHERE owner IS NOT NULL GROUP BY owner").fetchall())
         self._live = dict(rows)
+        self._loads = {m: owned.get(m, 0) for m in self._live}
+        members = tuple(sorted(self._live))
+        if members != self._ring[0]:
+            self._ring = (members, ring(members))
         self._beaten = time.monotonic()
 
     def _beating(self) -> None:
@@ -116,7 +124,11 @@ class Fleet:
 
     def first_choice(self, cid: str, live: Optional[dict] = None) -> str:
         members = live if live is not None else self._live
-        return max(members, key=lambda m: rank(m, cid)) if members else self.id
+        if not members:
+            return self.id
+        loads = {m: self._loads.get(m, 0) for m in members}
+        known, points = self._ring
+        return place(cid, loads, self.epsilon, points if set(known) == set(loads) else None)
 
     def new_id(self, draw: Callable[[], str]) -> str:
         """An id drawn until this member is its first choice (a few draws: one

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from session_runtime.fleet import Fleet, rank
+from session_runtime.fleet import Fleet
 from session_runtime.store_pg import NotOwner, PgStore
 from tests.session_runtime.test_store import _conv
 
@@ -30,10 +30,6 @@ def _owned(store: PgStore, cid: str, owner) -> None:
     store._sql("UPDATE conv SET owner = ? WHERE id = ?", (owner, cid))
 
 
-def _first_choice_of(cid: str, members) -> str:
-    return max(members, key=lambda m: rank(m, cid))
-
-
 def test_a_live_owner_keeps_its_conversation(fleet):
     store, a, b = fleet
     _owned(store, "c1", "a")
@@ -49,7 +45,8 @@ def test_an_orphan_goes_to_its_first_choice_once(fleet):
     for cid in cids:
         _owned(store, cid, "dead")
     for cid in cids:
-        first, other = (a, b) if _first_choice_of(cid, ("a", "b")) == "a" else (b, a)
+        assert a.first_choice(cid) == b.first_choice(cid)  # the same view: the same choice
+        first, other = (a, b) if a.first_choice(cid) == "a" else (b, a)
         assert other.route(cid).url == first.advertise  # relays to the first choice
         got = first.route(cid)
         assert got.url is None and got.claimed  # which takes it over
@@ -61,7 +58,7 @@ def test_an_orphan_goes_to_its_first_choice_once(fleet):
 def test_a_request_relayed_to_a_member_lets_it_take_an_orphan_over(fleet):
     store, a, b = fleet
     store._sql("INSERT INTO members(id, url, beat) VALUES('dead', 'http://dead', 0)")
-    cid = next(f"r{i}" for i in range(100) if _first_choice_of(f"r{i}", ("a", "b")) == "a")
+    cid = next(f"r{i}" for i in range(100) if a.first_choice(f"r{i}") == "a")
     _owned(store, cid, "dead")
     got = b.route(cid, relayed=True)  # a third member thought b its first choice
     assert got.url is None and got.claimed
@@ -90,3 +87,19 @@ def test_a_member_that_stops_beating_is_gone(fleet):
     time.sleep(1.2)  # b's beat lapses (ttl 1 s); a beats
     a._beat()
     assert set(a.live()) == {"a"}
+
+
+def test_takeovers_go_to_the_member_under_its_bound(fleet):
+    """Bounded loads (placement.py): a member holding more than (1 + epsilon)
+    times the mean is nobody's first choice; the orphans go to the other."""
+    store, a, b = fleet
+    store._sql("INSERT INTO members(id, url, beat) VALUES('dead', 'http://dead', 0)")
+    for i in range(10):
+        _owned(store, f"held{i}", "a")
+    orphans = [f"orphan{i}" for i in range(4)]
+    for cid in orphans:
+        _owned(store, cid, "dead")
+    a._beat()
+    b._beat()
+    assert a._loads == b._loads == {"a": 10, "b": 0}
+    assert {a.first_choice(c) for c in orphans} == {b.first_choice(c) for c in orphans} == {"b"}
