@@ -112,6 +112,10 @@ class Store:
             self._written[conv.id] = d.written
         return size
 
+    def _fence(self, conversation_id: str) -> None:
+        """Inside a transaction, before a conversation's rows change: one
+        process per file here; several over PostgreSQL check ownership (store_pg.py)."""
+
     def _write(self, db, conv: Conversation, d, size: int, fresh: bool) -> None:
         if fresh:  # what this process has not written or read: nothing of it may stay
             self._sql("DELETE FROM conv_rows WHERE conv = ?", (conv.id,))
@@ -152,6 +156,7 @@ class Store:
     def delete(self, conversation_id: str) -> None:
         with self._lock:
             def gone(db) -> None:
+                self._fence(conversation_id)
                 self._sql("DELETE FROM conv_rows WHERE conv = ?", (conversation_id,))
                 self._sql("DELETE FROM conv WHERE id = ?", (conversation_id,))
             self._transaction(gone)

@@ -58,15 +58,18 @@ class PgStore(Store):
         with self._db.cursor() as cur:
             cur.executemany(query.replace("?", "%s"), rows)
 
-    def _write(self, db, conv, d, size: int, fresh: bool) -> None:
-        """In a fleet, a conversation's rows are written only by its owner: the
-        owner is read and its row locked in the step's transaction, so a
-        member that lost the conversation (its beat lapsed, another took it
+    def _fence(self, conversation_id: str) -> None:
+        """In a fleet, a conversation's rows are written (or deleted) only by its
+        owner: the owner is read and its row locked in the step's transaction, so
+        a member that lost the conversation (its beat lapsed, another took it
         over) cannot write, and a claim waits for a write under way."""
         if self.member is not None:
-            row = self._sql("SELECT owner FROM conv WHERE id = ? FOR UPDATE", (conv.id,)).fetchone()
+            row = self._sql("SELECT owner FROM conv WHERE id = ? FOR UPDATE", (conversation_id,)).fetchone()
             if row is not None and row[0] not in (None, self.member):
-                raise NotOwner(f"conversation {conv.id!r} is served by runtime process {row[0]} now; retry")
+                raise NotOwner(f"conversation {conversation_id!r} is served by runtime process {row[0]} now; retry")
+
+    def _write(self, db, conv, d, size: int, fresh: bool) -> None:
+        self._fence(conv.id)
         super()._write(db, conv, d, size, fresh)
         if self.member is not None:
             self._sql("UPDATE conv SET owner = ? WHERE id = ? AND owner IS NULL", (self.member, conv.id))

@@ -74,6 +74,8 @@ def test_a_write_from_a_member_that_does_not_own_the_conversation_is_refused(fle
     conv.system = "changed"
     with pytest.raises(NotOwner):
         writer.save(conv)
+    with pytest.raises(NotOwner):
+        writer.delete("w")
     assert store.load("w")[0].system == "Be terse."  # nothing of it written
     writer.member = "a"
     writer.save(conv)
