@@ -43,9 +43,11 @@ class Persistence:
             self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
         for stored in self.store.index() if self.store is not None else ():
             self._know(stored)
-        if self.fleet is None:
-            self.backend.adopt(sorted(self.conversations))  # chains of conversations it does not know are released
-        else:  # the others' chains are theirs: a dead one's go back to the LRU when its lease runs out
+        # Chains of conversations it does not know are released; in a fleet the
+        # others' chains are theirs (a dead one's go back to the LRU after its lease).
+        self.backend.adopt(sorted(self.conversations) if self.fleet is None else [],
+                           release_others=self.fleet is None)
+        if self.fleet is not None:
             self.fleet.start()
 
     def _know(self, stored: Stored) -> None:

@@ -125,14 +125,21 @@ class Commands:
 
     def _cmd_adopt(self, args: dict, scheduler: Any) -> dict:
         """A runtime connects: the chains of `keep` (the conversations it knows)
-        are held under its lease from now on; every other chain is released,
-        but for those another runtime holds under a live lease."""
+        are held under its lease from now on; every other chain is released
+        (`release`, default true: a fleet member's peers' are theirs), but for
+        those another runtime holds under a live lease. With `host_tokens`,
+        the host tier is allocated now, before any step needs it."""
         holder, lease = _holder(args), _lease(args, zero_ok=True)  # 0: kept without a lease
         keep = args.get("keep")
         if not isinstance(keep, list) or not all(isinstance(o, str) for o in keep):
             raise BadCommand("keep must be a list of conversation ids")
+        release = args.get("release", True)
+        if not isinstance(release, bool):
+            raise BadCommand("release must be a boolean")
+        if "host_tokens" in args:
+            self.offload.ensure(self, _host_tokens(args))
         keep_set = set(keep)
-        stray = [o for o in self.chains if o not in keep_set and not self.leases.live(o)]
+        stray = [o for o in self.chains if release and o not in keep_set and not self.leases.live(o)]
         for owner in stray:
             self.offload.forget(owner)
             self.release_chain(owner)

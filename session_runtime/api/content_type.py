@@ -59,6 +59,22 @@ def nesting_depth(body: bytes) -> int:
     return max(accumulate(memoryview(steps).cast("b")), default=0)
 
 
+async def read_body(receive: Receive) -> tuple[bytes, list[Message]]:
+    """The whole request body, and the messages it came in (to replay them to
+    the app: a disconnect after the body too)."""
+    received: list[Message] = []
+    body = bytearray()
+    while True:
+        message = await receive()
+        received.append(message)
+        if message["type"] != "http.request":
+            break  # the client left: the route sees that as it comes
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            break
+    return bytes(body), received
+
+
 class JsonBodies:
     """Pure ASGI middleware (module docstring): 415 for a body that is not
     JSON, bad input for one nested deeper than MAX_DEPTH."""
@@ -71,22 +87,13 @@ class JsonBodies:
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS or _header(scope, b"content-length") == "0":
             await self.app(scope, receive, send)
             return
-        received: list[Message] = []
-        body = bytearray()
-        while True:
-            message = await receive()
-            received.append(message)
-            if message["type"] != "http.request":
-                break  # the client left: the route sees that as it comes
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
+        body, received = await read_body(receive)
 
         async def replay() -> Message:
             # The body as it came, then the client's next messages (a disconnect).
             return received.pop(0) if received else await receive()
 
-        refusal = self._refusal(scope, bytes(body)) if body else None
+        refusal = self._refusal(scope, body) if body else None
         if refusal is not None:
             await error_response(refusal, scope["path"])(scope, replay, send)
             return

@@ -32,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from session_runtime.api.auth import _header
+from session_runtime.api.content_type import read_body
 from session_runtime.api.errors import ApiError, error_response
 
 FORWARDED = b"x-session-runtime-forwarded"
@@ -56,7 +57,7 @@ class Forward:
         received: list[Message] = []
         body = b""
         if scope["method"] in ("POST", "PUT", "PATCH", "DELETE"):
-            body, received = await _read(receive)
+            body, received = await read_body(receive)
 
         async def replay() -> Message:
             return received.pop(0) if received else await receive()
@@ -126,20 +127,6 @@ def conversation_of(scope: Scope, body: bytes) -> Optional[str]:
         found = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("conversation")
         return found[0] if found else None
     return None
-
-
-async def _read(receive: Receive) -> tuple[bytes, list[Message]]:
-    received: list[Message] = []
-    body = bytearray()
-    while True:
-        message = await receive()
-        received.append(message)
-        if message["type"] != "http.request":
-            break
-        body += message.get("body", b"")
-        if not message.get("more_body", False):
-            break
-    return bytes(body), received
 
 
 def _stamped(send: Send, name: bytes, value: str) -> Send:

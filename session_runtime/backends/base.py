@@ -292,10 +292,11 @@ class Backend(ABC):
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up (AssertionError otherwise)."""
 
-    def adopt(self, owners: Sequence[str]) -> None:
+    def adopt(self, owners: Sequence[str], release_others: bool = True) -> None:
         """The runtime knows these conversations (at start): a backend that may
         hold chains from before (a server given by URL) keeps theirs for this
-        runtime and releases every other one."""
+        runtime and releases every other one (`release_others` False: leaves the
+        others alone, as a fleet member must: fleet.py)."""
 
     def integrity(self) -> dict:
         """check_integrity, and what it found, for operators (ranks compared, ...)."""

@@ -35,6 +35,9 @@ def test_the_scheduler_uses_the_session_tree(rt):
     assert info["context_length"] == SGLANG_CONTEXT == rt.config.max_context == rt.backend.max_context
     assert rt.backend.control.call("ping") == {"backend": "session", "page_size": PAGE, "capacity": SGLANG_POOL,
                                                "sglang": "0.5.23", "tp_size": 1}
+    # The host arena was allocated when the runtime connected, at the size it gave (issue 22), not by a step.
+    host = rt.backend.pools()["host"]
+    assert rt.backend.host_tokens > 0 and host["capacity_tokens"] == rt.backend.host_tokens
 
 
 def test_a_flood_of_unrelated_requests_evicts_no_chain(rt):

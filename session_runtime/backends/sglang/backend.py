@@ -60,7 +60,7 @@ class SGLangBackend(Backend):
                  bytes_per_token: int, vocab_size: int, max_context: int, server=None, host_tokens: int = 0,
                  tp_size: int = 1, http: Optional[httpx.Client] = None, lease_s: float = 0.0):
         self.url = url.rstrip("/")
-        self.host_tokens = host_tokens  # the scheduler's host tier, allocated by its first demotion
+        self.host_tokens = host_tokens  # the scheduler's host tier, allocated when this runtime connects (adopt)
         self._maybe_on_host: set[str] = set()  # owners a tool wait or idle retirement may have demoted
         self.control = control
         self.tp_size = tp_size
@@ -390,10 +390,14 @@ class SGLangBackend(Backend):
             except (BackendUnavailable, ControlError) as exc:
                 logger.warning("renewing the chains' lease on %s failed: %s", self.url, exc)
 
-    def adopt(self, owners: Sequence[str]) -> None:
+    def adopt(self, owners: Sequence[str], release_others: bool = True) -> None:
         """At start: the chains of `owners` are this runtime's now; the server
-        releases every other chain (a dead runtime's, or a deleted conversation's)."""
-        got = self._call("adopt", holder=self.holder, lease_s=self.lease_s, keep=list(owners))
+        releases every other chain (a dead runtime's, or a deleted conversation's)
+        unless `release_others` is False. The scheduler's host arena is
+        allocated now, at the size this runtime gives it, not inside a later
+        command."""
+        got = self._call("adopt", holder=self.holder, lease_s=self.lease_s, keep=list(owners),
+                         release=release_others, host_tokens=self.host_tokens)
         if got["released"]:
             logger.warning("released %d chains on %s that no conversation of this runtime owns",
                            got["released"], self.url)

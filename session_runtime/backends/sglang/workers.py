@@ -315,10 +315,10 @@ class WorkerPool(Backend):
         with self._lock:
             return any(self.up.values())
 
-    def adopt(self, owners: Sequence[str]) -> None:
+    def adopt(self, owners: Sequence[str], release_others: bool = True) -> None:
         for wid, w in self._live():
             try:
-                w.adopt(owners)
+                w.adopt(owners, release_others)
             except BackendUnavailable as exc:
                 self._mark(w, exc)
 
