@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from session_runtime.errors import InvalidRequest
-from session_runtime.templates.base import KeepReasoning
+from session_runtime.templates.base import KeepFrom, KeepReasoning
 
 POLICIES = ("keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache")
 MATERIALIZE_MODES = ("auto", "always", "never")
@@ -38,11 +38,10 @@ class ReasoningPolicy:
         open turn (index closed_turns) always keeps it: the tool chain continues
         exactly."""
         if self.name == "keep":
-            return lambda turn: True
+            return KeepFrom(float("-inf"))
         if self.name == "keep_last_k":
-            first_kept = closed_turns - self.keep_last_k
-            return lambda turn: turn >= first_kept
-        return lambda turn: turn >= closed_turns
+            return KeepFrom(closed_turns - self.keep_last_k)
+        return KeepFrom(closed_turns)
 
     @property
     def holds_chain(self) -> bool:

@@ -5,9 +5,10 @@ Pure functions over token sequences and probe results; the Runtime applies them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from session_runtime.sequences import common_prefix  # noqa: F401  (the turn rules' own, re-exported)
+from session_runtime.templates.base import KeepFrom
 
 if TYPE_CHECKING:  # radix_ext.tree imports SGLang (seconds): the CLI parses its flags without it
     from radix_ext.tree import ProbeResult
@@ -36,9 +37,8 @@ def counterfactual_entry(prompt: Sequence[int], probe: ProbeResult, shadow: Sequ
     return {"prompt_tokens": len(prompt), "prefill_tokens": len(prompt) - reused, "context_tokens": len(prompt)}
 
 
-def keep_all(_: int) -> bool:
-    return True
+keep_all = KeepFrom(float("-inf"))
 
 
-def keep_from(turn: int) -> Callable[[int], bool]:
-    return lambda t: t >= turn
+def keep_from(turn: int) -> KeepFrom:
+    return KeepFrom(turn)

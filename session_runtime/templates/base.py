@@ -74,6 +74,18 @@ class ParsedOutput:
 KeepReasoning = Callable[[int], bool]  # turn index -> does that turn keep its reasoning?
 
 
+@dataclass(frozen=True)
+class KeepFrom:
+    """A KeepReasoning: the turns from `first` on keep their reasoning. Said as
+    a threshold, a renderer finds where keeping starts in a history without
+    asking each message (render_cache.py)."""
+
+    first: float
+
+    def __call__(self, turn: int) -> bool:
+        return turn >= self.first
+
+
 def message_groups(messages: Sequence[Message]) -> Iterator[tuple[str, list[Message]]]:
     """(role, messages) in order, one group per user or assistant message and one
     per run of tool results (they answer one assistant message's calls together)."""

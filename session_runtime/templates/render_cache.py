@@ -31,6 +31,17 @@ _turn = operator.attrgetter("turn")
 PER_BUCKET = 8  # renderings kept per first message: the step's few kinds of render
 
 
+def _kept(keep: KeepReasoning, messages: list) -> list:
+    """Per message: does its turn keep its reasoning. A threshold (base.KeepFrom)
+    over a history in turn order is one bisection, not a call per message."""
+    turns = list(map(_turn, messages))
+    first = getattr(keep, "first", None)
+    if first is None or not all(map(operator.le, turns, turns[1:])):
+        return list(map(keep, turns))
+    k = bisect.bisect_left(turns, first)
+    return [False] * k + [True] * (len(turns) - k)
+
+
 @dataclass
 class _Entry:
     system: Optional[str]
@@ -57,7 +68,7 @@ class RenderCache:
         """`head(out)` writes the system part, `group(out, role, messages, kept)`
         a message group; returns a fresh Rendered the caller may change."""
         messages = list(messages)
-        kept = list(map(keep, map(_turn, messages)))
+        kept = _kept(keep, messages)
         key = id(messages[0]) if messages else None
         best, at = None, 0  # the entry to extend, and the index of its group end to extend from
         with self._lock:

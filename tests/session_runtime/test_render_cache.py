@@ -14,6 +14,7 @@ import pytest
 from session_runtime.templates import DeepSeekTemplate, Message, ToolCall
 from session_runtime.templates.qwen3 import Qwen3Template
 from session_runtime.tokenizer import deepseek_tokenizer, qwen3_tokenizer
+from session_runtime.templates.render_cache import _kept
 from session_runtime.turns import keep_all, keep_from
 
 MAKERS = {"deepseek": (DeepSeekTemplate, deepseek_tokenizer), "qwen3": (Qwen3Template, qwen3_tokenizer)}
@@ -48,6 +49,8 @@ def test_a_cached_render_is_the_render_from_scratch(name, seed):
         for cut in range(1, len(new) + 1):
             messages = history + new[:cut]
             for keep in (keep_all, keep_from(turn), keep_from(max(0, turn - 2))):
+                # Which turns keep their reasoning, found by bisection: what asking each message says.
+                assert _kept(keep, messages) == [keep(m.turn) for m in messages]
                 for generation_prompt in (True, False):
                     got = cached.render(system, tools, messages, keep, generation_prompt)
                     want = make(tok).render(system, tools, messages, keep, generation_prompt)
@@ -58,3 +61,9 @@ def test_a_cached_render_is_the_render_from_scratch(name, seed):
                    for m in history + new]
         if rng.random() < 0.2:  # a client's own copy of the same history: equal messages, other objects
             history = [dataclasses.replace(m) for m in history]
+
+
+def test_kept_flags_of_a_history_out_of_turn_order_ask_each_message():
+    messages = [Message("user", t, "x") for t in (0, 2, 1, 3)]
+    assert _kept(keep_from(2), messages) == [False, True, False, True]
+    assert _kept(lambda t: t % 2 == 0, messages) == [True, True, False, False]
