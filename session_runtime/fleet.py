@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from session_runtime.placement import place, ring
+from session_runtime.store_pg import connect
 
 log = logging.getLogger("session_runtime.fleet")
 
@@ -56,13 +57,12 @@ class Route:
 class Fleet:
     def __init__(self, url: str, advertise: str, ttl: float = 3.0, member: Optional[str] = None,
                  epsilon: float = 0.25):
-        import psycopg
-
         self.id = member or uuid.uuid4().hex[:12]
         self.advertise, self.ttl, self.epsilon = advertise, ttl, epsilon
         self._loads: dict[str, int] = {}
         self._ring: tuple[tuple, list] = ((), [])  # (members, their hash ring)
-        self._db = psycopg.connect(url, autocommit=True)
+        self.url = url
+        self._db = connect(url)
         self._lock = threading.Lock()
         self._live: dict[str, str] = {}
         self._stop = threading.Event()
@@ -74,6 +74,8 @@ class Fleet:
 
     def _sql(self, query: str, params: tuple = ()):
         with self._lock:
+            if self._db.broken or self._db.closed:  # the server restarted, or dropped us
+                self._db = connect(self.url)
             return self._db.execute(query, params)
 
     # ----- membership -------------------------------------------------------------

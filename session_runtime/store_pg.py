@@ -41,7 +41,7 @@ class PgStore(Store):
 
         self.url = check_url(url)
         try:
-            self._db = psycopg.connect(url, autocommit=True)
+            self._db = connect(url)
         except psycopg.Error as exc:
             raise InvalidRequest(f"cannot connect to the store at {_safe(url)}: {str(exc).strip()}") from None
         # Two processes starting at once must not both create the tables.
@@ -52,6 +52,10 @@ class PgStore(Store):
             self._db.execute("SELECT pg_advisory_unlock(%s)", (_SCHEMA_LOCK,))
 
     def _sql(self, query: str, params: tuple = ()):
+        if self._db.broken or self._db.closed:  # the server restarted, or dropped us: a new connection
+            self._db = connect(self.url)  # (a transaction that was open failed with it: its ROLLBACK is moot)
+            if query == "ROLLBACK":
+                return None
         return self._db.execute(query.replace("?", "%s"), params, prepare=True)
 
     def _sql_many(self, query: str, rows: list) -> None:
@@ -79,6 +83,14 @@ class PgStore(Store):
 
     def describe(self) -> str:
         return f"PostgreSQL {_safe(self.url)}"
+
+
+def connect(url: str):
+    """An autocommit connection (transactions are explicit) that gives up
+    connecting after 10 s, and finds a dead peer by TCP keepalives."""
+    import psycopg
+
+    return psycopg.connect(url, autocommit=True, connect_timeout=10, keepalives_idle=30)
 
 
 def _safe(url: str) -> str:

@@ -168,3 +168,26 @@ def test_a_store_of_the_first_schema_is_migrated(tmp_path):
         assert "conversations" not in tables
     finally:
         store.close()
+
+
+def test_a_dropped_postgresql_connection_fails_one_write_and_the_next_one_reconnects(pg_url):
+    """The server drops the store's connection (a restart, a failover, an admin):
+    the write under way fails and changes nothing; the next one reconnects and
+    writes everything that differs."""
+    import psycopg
+
+    store = PgStore(pg_url)
+    conv = _conv()
+    conv.history = [Message("user", 0, "before")]
+    store.save(conv)
+    pid = store._db.info.backend_pid
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    conv.history = [*conv.history, Message("user", 0, "after")]
+    with pytest.raises(psycopg.OperationalError):
+        store.save(conv)
+    store.save(conv)
+    other = PgStore(pg_url)
+    assert [m.content for m in other.load("c")[0].history] == ["before", "after"]
+    other.close()
+    store.close()
