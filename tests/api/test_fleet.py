@@ -20,12 +20,13 @@ import psycopg
 
 from tests.api.conftest import serve_cli
 
-FLAGS = ("--max-context", "2048", "--pool-tokens", "16384", "--no-access-log", "--member-ttl-s", "2")
+FLAGS = ("--max-context", "2048", "--pool-tokens", "16384", "--no-access-log")
 MEMBER, VIA = "x-session-runtime-member", "x-session-runtime-via"
 
 
-def _start(tmp_path, name: str, url: str):
-    return serve_cli(tmp_path / name, *FLAGS, "--store", url)
+def _start(tmp_path, name: str, url: str, ttl: float = 10.0):
+    """A member; with the long TTL a loaded machine's pause never passes for a death."""
+    return serve_cli(tmp_path / name, *FLAGS, "--store", url, "--member-ttl-s", str(ttl))
 
 
 def _stop(*procs) -> None:
@@ -70,7 +71,7 @@ def test_any_process_answers_and_one_serves_each_conversation(tmp_path, pg_url):
 
 
 def test_kill_9_of_one_process_loses_no_acknowledged_step(tmp_path, pg_url):
-    (a, url_a), (b, url_b) = _start(tmp_path, "a", pg_url), _start(tmp_path, "b", pg_url)
+    (a, url_a), (b, url_b) = _start(tmp_path, "a", pg_url, ttl=2), _start(tmp_path, "b", pg_url, ttl=2)
     acked: dict[str, list[str]] = {}  # conversation -> user messages of acknowledged steps
     uncertain: dict[str, list[str]] = {}  # sent, and no answer came (the kill)
     killed, stop = threading.Event(), threading.Event()
