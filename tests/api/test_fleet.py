@@ -24,7 +24,7 @@ FLAGS = ("--max-context", "2048", "--pool-tokens", "16384", "--no-access-log")
 MEMBER, VIA = "x-session-runtime-member", "x-session-runtime-via"
 
 
-def _start(tmp_path, name: str, url: str, ttl: float = 10.0):
+def _start(tmp_path, name: str, url: str, ttl: float = 6.0):
     """A member; with the long TTL a loaded machine's pause never passes for a death."""
     return serve_cli(tmp_path / name, *FLAGS, "--store", url, "--member-ttl-s", str(ttl))
 
@@ -43,9 +43,15 @@ def _stop(*procs) -> None:
 def test_any_process_answers_and_one_serves_each_conversation(tmp_path, pg_url):
     (a, url_a), (b, url_b) = _start(tmp_path, "a", pg_url), _start(tmp_path, "b", pg_url)
     try:
-        health = [httpx.get(f"{u}/health").json() for u in (url_a, url_b)]
-        members = {h["member"] for h in health}
-        assert len(members) == 2 and all(set(h["members"]) == members for h in health)
+        deadline = time.monotonic() + 30
+        while True:  # each sees the other from its next beat on (every ttl/3)
+            health = [httpx.get(f"{u}/health").json() for u in (url_a, url_b)]
+            members = {h["member"] for h in health}
+            if all(set(h["members"]) == members for h in health):
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
+        assert len(members) == 2
         cids = [httpx.post(f"{u}/v1/conversations", json={"system": f"Fleet {i}."}).json()["id"]
                 for i, u in enumerate((url_a, url_b) * 3)]
         owners = {}
