@@ -108,7 +108,7 @@ class Store:
             written = self._written.get(conv.id)
             d = delta(conv, written)
             size = d.written.bytes
-            self._transaction(lambda db: self._write(db, conv, d, size, fresh=written is None))
+            self._transaction(lambda: self._write(conv, d, size, fresh=written is None))
             self._written[conv.id] = d.written
         return size
 
@@ -116,7 +116,7 @@ class Store:
         """Inside a transaction, before a conversation's rows change: one
         process per file here; several over PostgreSQL check ownership (store_pg.py)."""
 
-    def _write(self, db, conv: Conversation, d, size: int, fresh: bool) -> None:
+    def _write(self, conv: Conversation, d, size: int, fresh: bool) -> None:
         if fresh:  # what this process has not written or read: nothing of it may stay
             self._sql("DELETE FROM conv_rows WHERE conv = ?", (conv.id,))
         for where, params in d.deletes:
@@ -137,10 +137,10 @@ class Store:
     begin = "BEGIN IMMEDIATE"
 
     def _transaction(self, body) -> None:
-        """Run `body(db)` in one transaction, the store's lock held."""
+        """Run `body()` (its statements through `_sql`) in one transaction, the store's lock held."""
         self._sql(self.begin)
         try:
-            body(self._db)
+            body()
         except BaseException:
             self._sql("ROLLBACK")
             raise
@@ -155,7 +155,7 @@ class Store:
 
     def delete(self, conversation_id: str) -> None:
         with self._lock:
-            def gone(db) -> None:
+            def gone() -> None:
                 self._fence(conversation_id)
                 self._sql("DELETE FROM conv_rows WHERE conv = ?", (conversation_id,))
                 self._sql("DELETE FROM conv WHERE id = ?", (conversation_id,))
@@ -222,12 +222,12 @@ class Store:
                 return
             old = self._db.execute("SELECT data FROM conversations ORDER BY updated_at").fetchall()
 
-            def move(db) -> None:
+            def move() -> None:
                 for (text,) in old:
                     conv = legacy_conversation(text)
                     d = delta(conv, None)
-                    self._write(db, conv, d, d.written.bytes, fresh=True)
-                db.execute("DROP TABLE conversations")
+                    self._write(conv, d, d.written.bytes, fresh=True)
+                self._sql("DROP TABLE conversations")
             self._transaction(move)
 
 

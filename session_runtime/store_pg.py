@@ -72,9 +72,9 @@ class PgStore(Store):
             if row is not None and row[0] not in (None, self.member):
                 raise NotOwner(f"conversation {conversation_id!r} is served by runtime process {row[0]} now; retry")
 
-    def _write(self, db, conv, d, size: int, fresh: bool) -> None:
+    def _write(self, conv, d, size: int, fresh: bool) -> None:
         self._fence(conv.id)
-        super()._write(db, conv, d, size, fresh)
+        super()._write(conv, d, size, fresh)
         if self.member is not None:
             self._sql("UPDATE conv SET owner = ? WHERE id = ? AND owner IS NULL", (self.member, conv.id))
 

@@ -46,7 +46,7 @@ _SET_BY_CLIENT = {b"host", b"content-length"}  # httpx writes the relayed reques
 class Forward:
     def __init__(self, app: ASGIApp, runtime):
         self.app, self.runtime = app, runtime
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0)) if runtime.fleet else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         fleet = self.runtime.fleet
@@ -67,13 +67,13 @@ class Forward:
         if cid is not None:
             try:
                 route = await run_in_threadpool(fleet.route, cid, relayed)
+                if route.url is None:
+                    await run_in_threadpool(self.runtime.take, cid, route.claimed)
             except Exception as exc:  # the store is away
                 await self._unavailable(scope, send, f"cannot tell which runtime process serves conversation "
                                                      f"{cid!r}: {exc}")
                 return
         if route is None or route.url is None:
-            if route is not None:
-                await run_in_threadpool(self.runtime.take, cid, route.claimed)
             await self.app(scope, replay, _stamped(send, MEMBER, fleet.id))
             return
         if relayed:  # relayed once already, and another member took it meanwhile: never twice
@@ -85,7 +85,8 @@ class Forward:
     async def _relay(self, scope: Scope, body: bytes, route, send: Send) -> None:
         me = self.runtime.fleet.id
         query = scope.get("query_string", b"").decode("latin-1")
-        url = route.url.rstrip("/") + scope["path"] + (f"?{query}" if query else "")
+        path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")  # as the client encoded it
+        url = route.url.rstrip("/") + path + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() not in _HOP | _SET_BY_CLIENT]
         headers.append((FORWARDED, me.encode()))
         request = self.client.build_request(scope["method"], url, headers=headers, content=body)

@@ -11,6 +11,7 @@ imported one) is written from its fields.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -62,7 +63,8 @@ def _chat(protocol, system, tools, messages, params) -> dict:
     for as long as the stored message lives (`WeakMemo`)."""
     memo = _CHAT_WIRE[protocol]
     out = [{"role": "system", "content": system}] if system else []
-    out += [memo.get(m, lambda m: _chat_message(protocol, m)) for m in messages]
+    build = functools.partial(_chat_message, protocol)
+    out += [memo.get(m, build) for m in messages]
     body = {**params, "messages": out}
     if tools:
         body["tools"] = [t if "function" in t else {"type": "function", "function": t} for t in tools]

@@ -72,8 +72,45 @@ def test_any_process_answers_and_one_serves_each_conversation(tmp_path, pg_url):
         assert stored == owners
         d = httpx.get(f"{url_a}/v1/conversations/{cids[1]}").json()  # read through either
         assert [m["content"] for m in d["trace"] if m["role"] == "user"] == ["m0", "m1", "m2"]
+        _openai_sdk_streams_through_a_relay(pg_url, {h["member"]: u for h, u in zip(health, (url_a, url_b))})
+        _bad_input_is_refused_where_it_lands(url_a)
     finally:
         _stop(a, b)
+
+
+def _openai_sdk_streams_through_a_relay(pg_url: str, urls: dict) -> None:
+    """The official SDK, to the process that does not own the conversation:
+    a chat completion with conversation_id, streamed, relayed chunk by chunk."""
+    import openai
+
+    sdk = {m: openai.OpenAI(base_url=f"{u}/v1", api_key="none", max_retries=0) for m, u in urls.items()}
+    messages = [{"role": "system", "content": "Relayed."}, {"role": "user", "content": "Hello"}]
+    first = next(iter(sdk.values())).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, extra_body={"conversation_id": "sdk-fleet", "create": True})
+    with psycopg.connect(pg_url) as db:
+        (owner,) = db.execute("SELECT owner FROM conv WHERE id = 'sdk-fleet'").fetchone()
+    other = next(m for m in sdk if m != owner)
+    m = first.choices[0].message
+    again = [*messages, {"role": "assistant", "content": m.content, "reasoning_content": m.model_extra.get(
+        "reasoning_content")}, {"role": "user", "content": "Again"}]
+    raw = sdk[other].chat.completions.with_raw_response.create(
+        model="tiny", messages=again, max_tokens=4, stream=True, extra_body={"conversation_id": "sdk-fleet"})
+    assert (raw.headers[MEMBER], raw.headers[VIA]) == (owner, other)  # served by the owner, relayed
+    chunks = list(raw.parse())
+    assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    d = httpx.get(f"{urls[other]}/v1/conversations/sdk-fleet").json()
+    assert [t["content"] for t in d["trace"] if t["role"] == "user"] == ["Hello", "Again"]
+
+
+def _bad_input_is_refused_where_it_lands(url: str) -> None:
+    """What the relay reads of a request (a body that is not an object, an id
+    with odd characters) is never a 500."""
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": [], "conversation_id": 7})
+    assert 400 <= r.status_code < 500, r.text
+    for cid in ("a%2Fb", "%25", "x" * 200):
+        assert httpx.get(f"{url}/v1/conversations/{cid}").status_code == 404
 
 
 def test_kill_9_of_one_process_loses_no_acknowledged_step(tmp_path, pg_url):
