@@ -74,12 +74,12 @@ def test_a_restart_over_ten_thousand_conversations_reads_only_what_it_touches(tm
         seed.close()
     store = Store(tmp_path / "conversations.sqlite3")
     try:
-        def many(db) -> None:  # 9,999 more, in one transaction
+        def many() -> None:  # 9,999 more, in one transaction
             for i in range(9999):
                 conv = template.snapshot()
                 conv.id, conv.tenant = f"c{i:05d}", f"tenant{i % 7}"
                 d = delta(conv, None)
-                store._write(db, conv, d, d.written.bytes, fresh=True)
+                store._write(conv, d, d.written.bytes, fresh=True)
         store._transaction(many)
     finally:
         store.close()
