@@ -115,6 +115,9 @@ class Conversation:
     # `uncached` reasons (uncached.py). Not persisted: a restored conversation
     # starts from `restored_known`.
     known: Known = field(default_factory=Known, compare=False)
+    # Upstream mode: its last request to the provider, by message, so that the
+    # next is built past it (proxy/prefix.py). A cache: not persisted.
+    outbound: Optional[object] = field(default=None, compare=False, repr=False)
 
     def restored_known(self) -> Known:
         """After a restart: the history its steps computed is lost with the old process's KV."""

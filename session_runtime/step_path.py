@@ -20,6 +20,7 @@ from session_runtime.step import Step
 from session_runtime.templates import Message, Template, ToolCall
 from session_runtime import turns as turn_rules
 from session_runtime.uncached import Known, attribute
+from session_runtime.proxy.prefix import OutboundPrefix
 from session_runtime.request_checks import _utf8
 
 
@@ -100,7 +101,10 @@ class StepPath:
             self.backend.reload(conv.id, ns, rendered.ids)  # host tier -> device, outside the engine lock
             transcript = None
             if self.backend.wants_transcript:  # upstream mode: the provider answers from the messages
-                transcript = Transcript(conv.system, conv.tools, [e.message for e in conv.trace] + new, tpl)
+                if conv.outbound is None:
+                    conv.outbound = OutboundPrefix()
+                transcript = Transcript(conv.system, conv.tools, [e.message for e in conv.trace] + new, tpl,
+                                        conv.outbound)
             result = self.backend.step(
                 StepRequest(
                     owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,

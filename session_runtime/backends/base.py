@@ -123,6 +123,7 @@ class Transcript:
     tools: Sequence[dict]
     messages: Sequence[Message]
     template: object  # the conversation's Template: the answer is recorded as its ids
+    prefix: Optional[object] = None  # the conversation's last request (proxy/prefix.py OutboundPrefix)
 
 
 @dataclass(frozen=True)

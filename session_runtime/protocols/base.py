@@ -147,26 +147,30 @@ def compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def parse_messages_request(body: Any, parse_message) -> ChatRequest:
+def parse_messages_request(body: Any, parse_message, parse_all=None) -> ChatRequest:
     """A body with a `messages` list (Chat Completions, Anthropic): each message
-    by `parse_message(m, path)`, the tools when they are a list (a `tools: null`
-    stays a param, verbatim), every other field a param, the key order kept."""
+    by `parse_message(m, path)` (or the whole list by `parse_all(items)`), the
+    tools when they are a list (a `tools: null` stays a param, verbatim), every
+    other field a param, the key order kept."""
     expect_object(body, "body")
     if "messages" not in body:
         raise ProtocolInputError("messages", "required")
     items = expect_list(body["messages"], "messages")
-    messages = tuple(parse_message(m, f"messages[{i}]") for i, m in enumerate(items))
+    if parse_all is not None:
+        messages = tuple(parse_all(items))
+    else:
+        messages = tuple(parse_message(m, f"messages[{i}]") for i, m in enumerate(items))
     tools = body.get("tools")
     listed = isinstance(tools, list)
     params = {k: clone(v) for k, v in body.items() if k != "messages" and not (k == "tools" and listed)}
     return ChatRequest(messages, tuple(clone(tools)) if listed else (), params, tuple(body))
 
 
-def render_messages_request(req: ChatRequest, render_message) -> dict:
+def render_messages_request(req: ChatRequest, render_message, rendered: Optional[list] = None) -> dict:
     """A body with a `messages` list (Chat Completions, Anthropic): the params,
-    the rendered messages and the tools, in the wire's key order."""
+    the messages rendered (or `rendered`, already) and the tools, in the wire's key order."""
     values = {k: clone(v) for k, v in req.params.items()}
-    values["messages"] = [render_message(m) for m in req.messages]
+    values["messages"] = rendered if rendered is not None else [render_message(m) for m in req.messages]
     if req.tools or ("tools" in req.layout and "tools" not in req.params):
         values["tools"] = clone(list(req.tools))
     return arrange(values, req.layout)

@@ -213,10 +213,19 @@ class ChatCompletions(ChatProtocol):
         removed: dict[int, tuple[Reasoning, ...]] = {}
         for i in range(max(boundary, 0)):
             m = messages[i]
-            if m.role == "assistant" and m.reasoning is not None and not (options.keep_tool_turns and m.calls):
+            if self.strips(m, options):
                 out[i] = self.without_reasoning(m)
                 removed[i] = m.reasoning
         return strip_result(dataclasses.replace(req, messages=tuple(out)), removed, rewritten)
+
+    @staticmethod
+    def strips(m: Msg, options: StripOptions) -> bool:
+        """Whether `m`, a message before the last user message, loses its reasoning (the lenient rule)."""
+        return m.role == "assistant" and m.reasoning is not None and not (options.keep_tool_turns and m.calls)
+
+    def strict(self, messages: tuple[Msg, ...]) -> bool:
+        """Whether a history's shape demands that every reasoning block goes back (none here)."""
+        return False
 
     # -- validation --------------------------------------------------------
 

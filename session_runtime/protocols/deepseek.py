@@ -76,6 +76,9 @@ class DeepSeek(ChatCompletions):
                              for i, m in enumerate(messages))
         return self.strip_lenient(req, messages, options, rewritten)
 
+    def strict(self, messages: tuple[Msg, ...]) -> bool:
+        return strict_shape(messages)
+
     def validate(self, body: dict) -> Optional[ProtocolError]:
         """The API's refusals: a body it cannot read, an unknown role, no
         messages, a tool result answering no call and, in thinking mode, a

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from operator import itemgetter
 from typing import Callable, Optional
 
 from session_runtime.errors import InvalidRequest, UpstreamError, UpstreamUnavailable
 from session_runtime.protocols import get_protocol
-from session_runtime.protocols.base import ProtocolInputError, StripOptions, error_message
+from session_runtime.protocols.base import (
+    ProtocolInputError, StripOptions, error_message, last_index, parse_messages_request, render_messages_request,
+)
 from session_runtime.protocols.canonical import ChatRequest, Msg, Reply, reasoning_text
+from session_runtime.protocols.chat import ChatCompletions
 from session_runtime.proxy.client import UpstreamClient
+from session_runtime.proxy.prefix import OutboundPrefix
 from session_runtime.weak_memo import WeakMemo
 
 
@@ -77,10 +82,17 @@ class Outbound:
         self.model = model  # sent instead of the request's model, when set
         self._counted = WeakMemo()
 
-    def prepare(self, body: dict) -> tuple[dict, StripAccount]:
+    def prepare(self, body: dict, prefix: Optional[OutboundPrefix] = None) -> tuple[dict, StripAccount]:
         """The body as it will go out, and what the stripper did. Raises
-        InvalidRequest (400) naming the field of a body the protocol cannot read."""
+        InvalidRequest (400) naming the field of a body the protocol cannot read.
+        `prefix`: the conversation's last request, for a body built from its
+        stored messages (`transcript.request_body`), so that only what follows
+        it is worked on; the same body and account as without it."""
         try:
+            if prefix is not None and isinstance(self.protocol, ChatCompletions) and not self.options.passthrough:
+                prepared = self._prepare_past(prefix, body)
+                if prepared is not None:
+                    return prepared
             request = self.protocol.parse_request(body)
         except ProtocolInputError as exc:
             raise InvalidRequest(f"{exc}", param=getattr(exc, "path", None)) from None
@@ -90,10 +102,50 @@ class Outbound:
             sent = {**sent, "model": self.model}
         return sent, self._account(request, result)
 
-    def send(self, body: dict) -> Forwarded:
+    def _prepare_past(self, prefix: OutboundPrefix, body: dict) -> Optional[tuple[dict, StripAccount]]:
+        """`prepare` for a Chat Completions body by the lenient rule, working only
+        past the conversation's last request: each message is parsed, stripped
+        (when it is before the last user message), rendered and counted once,
+        and again only when the boundary passes it. None for a strict shape
+        (`prepare` sends it as a whole)."""
+        p = self.protocol
+        request = parse_messages_request(body, None, lambda items: prefix.parsed.map(
+            items, lambda i, m: p._parse_known(m, f"messages[{i}]")))
+        messages = request.messages
+        if p.strict(messages):
+            return None
+        boundary = max(last_index(messages, "user"), 0)
+        figures = prefix.sent.map(messages, lambda i, m: self._figures(m, i < boundary),
+                                  start=min(prefix.sent.tag or 0, boundary), tag=boundary)
+        sent = render_messages_request(request, None, [f[0] for f in figures])
+        if self.model is not None:
+            sent = {**sent, "model": self.model}
+        total, reasoning, stripped, stripped_tokens, stripped_bytes = (
+            sum(map(itemgetter(j), figures)) for j in range(1, 6))
+        total += self._other_tokens(request)
+        return sent, StripAccount(
+            protocol=self.client.protocol, mode="lenient", nudge_rewritten=False, messages_stripped=stripped,
+            stripped_tokens=stripped_tokens, stripped_bytes=stripped_bytes, request_tokens=total,
+            reasoning_tokens=reasoning, sent_tokens=total - stripped_tokens,
+            sent_reasoning_tokens=reasoning - stripped_tokens)
+
+    def _figures(self, m: Msg, history: bool) -> tuple[dict, int, int, int, int, int]:
+        """One message of a request: (its form on the wire, its tokens, its
+        reasoning tokens, 1 if stripped, the stripped tokens, the stripped bytes)
+        -- stripped by the lenient rule when it is `history` (before the last
+        user message), as `ChatCompletions.strip_lenient` and `strip_result` do."""
+        p = self.protocol
+        tokens, reasoning = self._counted.get(m, self._message_tokens)
+        if not (history and p.strips(m, self.options)):
+            return p._render_known(m), tokens, reasoning, 0, 0, 0
+        text = "\n\n".join(r.text for r in m.reasoning if r.text)
+        return (p._render_known(p.without_reasoning(m)), tokens, reasoning, 1,
+                self.count(text), len(text.encode("utf-8")))
+
+    def send(self, body: dict, prefix: Optional[OutboundPrefix] = None) -> Forwarded:
         """Strip and send `body`; raises UpstreamError with the provider's status
         when it refuses, UpstreamUnavailable when it cannot answer."""
-        sent, account = self.prepare(body)
+        sent, account = self.prepare(body, prefix)
         response = self.client.post(sent)
         if not response.ok:
             raise self.refused(response.status, response.body, account)
@@ -135,11 +187,15 @@ class Outbound:
     def _tokens(self, request: ChatRequest) -> tuple[int, int]:
         """(tokens of every text of the request, tokens of its reasoning)."""
         counts = [self._counted.get(m, self._message_tokens) for m in request.messages]
+        reasoning = sum(r for _, r in counts)
+        return sum(t for t, _ in counts) + self._other_tokens(request), reasoning
+
+    def _other_tokens(self, request: ChatRequest) -> int:
+        """Tokens of the request's texts outside its messages: a top-level system prompt and the tools."""
         other = [_text(request.params.get(k)) for k in ("system", "instructions")]
         if request.tools:
             other.append(json.dumps(request.tools, ensure_ascii=False))
-        reasoning = sum(r for _, r in counts)
-        return sum(t for t, _ in counts) + sum(self.count(t) for t in other if t), reasoning
+        return sum(self.count(t) for t in other if t)
 
     def _message_tokens(self, m: Msg) -> tuple[int, int]:
         """(tokens of every text of one message, tokens of its reasoning); kept

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 from session_runtime.protocols.anthropic import thinking_enabled
 from session_runtime.protocols.base import CHAT_PROTOCOLS  # a client's "chat" wire goes to either as it is
 from session_runtime.protocols.canonical import Reply, reasoning_text
+from session_runtime.proxy.prefix import OutboundPrefix
 from session_runtime.templates.base import Message, ToolCall, tool_schema
 from session_runtime.weak_memo import WeakMemo, WireMessage
 
@@ -47,24 +48,32 @@ def wire_of(protocol: str, message: Message) -> Optional[object]:
 
 
 def request_body(protocol: str, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
-                 params: dict) -> dict:
+                 params: dict, prefix: Optional[OutboundPrefix] = None) -> dict:
     """The request body of `protocol` for a conversation (reasoning included).
     `params` are top-level fields (model, max_tokens, temperature, ...) in that
-    protocol's names."""
-    build = {"deepseek": _chat, "openai-chat": _chat, "anthropic": _anthropic, "openai-responses": _responses}
+    protocol's names. `prefix`: the conversation's last request (Chat
+    Completions protocols), so that only messages past it are built."""
+    if protocol in CHAT_PROTOCOLS:
+        return _chat(protocol, system, list(tools), messages, dict(params), prefix)
+    build = {"anthropic": _anthropic, "openai-responses": _responses}
     return build[protocol](protocol, system, list(tools), list(messages), dict(params))
 
 
 _CHAT_WIRE = {name: WeakMemo() for name in CHAT_PROTOCOLS}
 
 
-def _chat(protocol, system, tools, messages, params) -> dict:
+def _chat(protocol, system, tools, messages, params, prefix: Optional[OutboundPrefix]) -> dict:
     """Chat Completions: one wire message per stored message, each built once
-    for as long as the stored message lives (`WeakMemo`)."""
+    for as long as the stored message lives (`WeakMemo`); with the
+    conversation's `prefix`, only those past its last request are even looked up."""
     memo = _CHAT_WIRE[protocol]
-    out = [{"role": "system", "content": system}] if system else []
     build = functools.partial(_chat_message, protocol)
-    out += [memo.get(m, build) for m in messages]
+    if prefix is None:
+        out = [{"role": "system", "content": system}] if system else []
+        out += [memo.get(m, build) for m in messages]
+    else:
+        out = [prefix.system_message(system, lambda text: WireMessage(role="system", content=text))] if system else []
+        out += prefix.wire.map(messages, lambda _, m: memo.get(m, build))
     body = {**params, "messages": out}
     if tools:
         body["tools"] = [t if "function" in t else {"type": "function", "function": t} for t in tools]

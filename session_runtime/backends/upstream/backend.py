@@ -72,12 +72,12 @@ class UpstreamBackend(HoldsNoChain, Backend):
                 params.pop(name, None)
             else:
                 params[name] = value
-        body = request_body(self.config.upstream_protocol, t.system, t.tools, t.messages, params)
+        body = request_body(self.config.upstream_protocol, t.system, t.tools, t.messages, params, t.prefix)
         if req.cancel is not None:
             req.cancel.check()
         t0 = time.perf_counter()
         try:
-            sent = self.outbound.send(body)
+            sent = self.outbound.send(body, t.prefix)
         except Exception:
             self._steps_failed += 1
             raise

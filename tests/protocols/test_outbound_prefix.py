@@ -1,0 +1,121 @@
+"""A conversation's outbound request built past its last one
+(session_runtime/proxy/prefix.py): step after step, with histories that grow,
+fork, shrink and change their system prompt, the body and the stripper's
+account equal what a fresh `Outbound` makes of the same body as a client's
+plain dicts; and a step works only on the messages past the last request."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from session_runtime.protocols import StripOptions
+from session_runtime.proxy.outbound import Outbound
+from session_runtime.proxy.prefix import OutboundPrefix, PrefixMap
+from session_runtime.proxy.transcript import request_body
+from session_runtime.templates.base import Message, ToolCall
+
+
+def test_a_prefix_map_recomputes_past_the_shared_prefix_or_start():
+    seen: list[int] = []
+    pm, xs = PrefixMap(), [object() for _ in range(6)]
+
+    def f(i, x):
+        seen.append(i)
+        return i
+
+    assert pm.map(xs[:4], f) == [0, 1, 2, 3] and seen == [0, 1, 2, 3]
+    seen.clear()
+    assert pm.map(xs, f, tag="t") == list(range(6)) and seen == [4, 5] and pm.tag == "t"
+    seen.clear()
+    assert pm.map(xs, f, start=3) == list(range(6)) and seen == [3, 4, 5]
+    seen.clear()
+    other = [*xs[:2], object(), *xs[3:]]
+    assert pm.map(other, f) == list(range(6)) and seen == [2, 3, 4, 5]  # parts at 2: recomputed from there
+    seen.clear()
+    assert pm.map(other[:3], f) == [0, 1, 2] and seen == []  # shorter: nothing to compute
+
+    def fails(i, x):
+        raise ValueError(i)
+
+    with pytest.raises(ValueError):
+        pm.map(xs, fails)
+    assert pm.map(other[:3], f) == [0, 1, 2] and seen == []  # a failed call left the last state
+
+
+def _reply(rng: random.Random, t: int, k: int) -> Message:
+    if rng.random() < 0.35:
+        call = ToolCall(f"call_{t}_{k}", "calc", {"e": f"{t}+{k}"})
+        return Message("assistant", t, content=rng.choice(["", "let me check"]),
+                       reasoning=rng.choice(["", f"need a tool {t} " * 3]), tool_calls=(call,))
+    return Message("assistant", t, content=f"answer {t}.{k}", reasoning=rng.choice(["", f"thinking {t} " * 4]))
+
+
+def _steps(rng: random.Random, n: int):
+    """(system, messages) per step of a conversation that grows, and now and
+    then forks (an earlier message replaced), shrinks (a client's history with
+    fewer turns), ends on an assistant (a strict shape) or changes its system."""
+    history: list[Message] = []
+    system = "system prompt"
+    t = 0
+    for _ in range(n):
+        roll = rng.random()
+        if roll < 0.08 and len(history) > 3:
+            i = rng.randrange(len(history))
+            history[i] = Message(history[i].role, history[i].turn, content="rewritten " + history[i].content,
+                                 reasoning=history[i].reasoning, tool_calls=history[i].tool_calls,
+                                 tool_call_id=history[i].tool_call_id)
+        elif roll < 0.14 and len(history) > 3:
+            history = history[:rng.randrange(1, len(history))]
+        elif roll < 0.18:
+            system = rng.choice(["system prompt", "another system prompt", ""])
+        last = history[-1] if history else None
+        if last is not None and last.role == "assistant" and last.tool_calls:
+            history.append(Message("tool", last.turn, content=f"result {t}", tool_call_id=last.tool_calls[0].id))
+        else:
+            t += 1
+            history.append(Message("user", t, content=f"question {t}"))
+        yield system, list(history)
+        history.append(_reply(rng, t, len(history)))
+        if rng.random() < 0.05:
+            yield system, list(history)  # the last message is an assistant: DeepSeek's strict shape
+
+
+@pytest.mark.parametrize("protocol", ["deepseek", "openai-chat"])
+@pytest.mark.parametrize("keep_tool_turns", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_steps_built_past_the_last_request_equal_fresh_ones(protocol, keep_tool_turns, seed):
+    client = SimpleNamespace(protocol=protocol)
+    count = lambda text: len(text.split())  # noqa: E731
+    options = StripOptions(keep_tool_turns=keep_tool_turns)
+    incremental, fresh = Outbound(client, count, options, model="m2"), Outbound(client, count, options, model="m2")
+    prefix = OutboundPrefix()
+    for system, history in _steps(random.Random(seed), 120):
+        body = request_body(protocol, system, [], history, {"model": "m", "max_tokens": 8}, prefix)
+        plain = json.loads(json.dumps(body))
+        assert plain == request_body(protocol, system, [], history, {"model": "m", "max_tokens": 8})
+        sent, account = incremental.prepare(body, prefix)
+        expected_sent, expected_account = fresh.prepare(copy.deepcopy(plain))
+        assert json.dumps(sent) == json.dumps(expected_sent)
+        assert account == expected_account
+        assert body == plain  # the request given is never changed
+
+
+def test_a_step_works_only_past_the_last_user_message():
+    client = SimpleNamespace(protocol="deepseek")
+    outbound, prefix = Outbound(client, lambda text: len(text.split()), StripOptions()), OutboundPrefix()
+    figured: list[int] = []
+    real = outbound._figures
+    outbound._figures = lambda m, history: figured.append(1) or real(m, history)
+    history: list[Message] = []
+    for t in range(200):
+        history.append(Message("user", t, content=f"question {t}"))
+        figured.clear()
+        outbound.prepare(request_body("deepseek", "system", [], history, {"model": "m"}, prefix), prefix)
+        assert len(figured) <= 3  # the last turn's answer (stripped now), the new question
+        history.append(Message("assistant", t, content=f"answer {t}", reasoning="thinking " * 5))
+    assert len(prefix.wire.map(history, lambda i, m: None)) == len(history)
