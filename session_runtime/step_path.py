@@ -7,8 +7,11 @@ its conversation's lock held."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import operator
 import time
+from itertools import compress
 from typing import Callable, Optional
 
 from radix_ext.tree import ProbeResult
@@ -243,12 +246,7 @@ class StepPath:
         record.closed = True
         self.backend.drop_host_copy(conv.id)  # the tool chain's copy will not be reloaded
         keep = conv.policy.kept_turns(conv.closed_turns)
-        conv.history = [
-            tpl.strip_reasoning(m)
-            if m.role == "assistant" and not keep(m.turn) and m.reasoning
-            else m
-            for m in conv.history
-        ]
+        conv.history = _without_reasoning(tpl, conv.history, keep)
         canonical = tpl.render(conv.system, conv.tools, conv.history, keep, False).ids
         fork = turn_rules.common_prefix(generated, canonical)
         record.fork_tokens = fork
@@ -343,3 +341,25 @@ class StepPath:
             self._stopping = True
             for cancel in list(self._inflight):
                 cancel.cancel(ShuttingDown("the server is shutting down"))
+
+
+_reasoning, _turn = operator.attrgetter("reasoning"), operator.attrgetter("turn")
+
+
+def _without_reasoning(tpl: Template, history: list[Message], keep) -> list[Message]:
+    """`history` with the reasoning of the assistant messages whose turns do not
+    keep it stripped. Only messages that still carry reasoning are looked at,
+    found in C: at a turn's close that is the closed turn's (and, over a client's
+    history, whatever it brought), not the whole conversation."""
+    end = len(history)
+    first = getattr(keep, "first", None)  # a threshold (KeepFrom): the turns from it on keep theirs
+    turns = list(map(_turn, history))
+    if first is not None and all(map(operator.le, turns, turns[1:])):
+        end = bisect.bisect_left(turns, first)
+    carrying = compress(range(end), map(_reasoning, history))
+    out = list(history)
+    for i in carrying:
+        m = history[i]
+        if m.role == "assistant" and not keep(m.turn):
+            out[i] = tpl.strip_reasoning(m)
+    return out

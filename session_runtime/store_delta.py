@@ -85,7 +85,8 @@ def delta(conv: Conversation, w: Optional[Written]) -> Delta:
     if k < len(w.turns):
         d.deletes.append(("kind = ? AND seq >= ?", (TURN, k)))
     n.turns, n.turn_sizes = list(conv.turns), w.turn_sizes[:k]
-    n.steps, n.step_sizes = [list(s) for s in w.steps[:k]], [list(s) for s in w.step_sizes[:k]]
+    # The turns before k keep their lists as written: no Written changes a list it holds.
+    n.steps, n.step_sizes = w.steps[:k], w.step_sizes[:k]
     for t in range(k, len(conv.turns)):
         record = conv.turns[t]
         data = turn_row(record)

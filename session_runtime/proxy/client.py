@@ -71,12 +71,14 @@ class UpstreamClient:
             out["authorization"] = f"Bearer {self._key}"
         return out
 
-    def post(self, body: dict) -> UpstreamResponse:
+    def post(self, body: dict, encoded: Optional[bytes] = None) -> UpstreamResponse:
+        """`encoded`: the body's JSON, when the caller has it (proxy/outbound.py `encode_with`)."""
         import httpx
 
         t0 = time.perf_counter()
+        content = encoded if encoded is not None else json.dumps(body, ensure_ascii=False).encode()
         try:
-            r = self._http.post(self.url, content=json.dumps(body, ensure_ascii=False).encode(), headers=self.headers())
+            r = self._http.post(self.url, content=content, headers=self.headers())
         except httpx.TimeoutException as exc:
             raise UpstreamUnavailable(f"the upstream {self.url} did not answer in time: {exc}", status=504) from None
         except httpx.HTTPError as exc:

@@ -11,6 +11,7 @@ given is never changed: it is the client's transcript.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import asdict, dataclass
 from operator import itemgetter
 from typing import Callable, Optional
@@ -88,6 +89,11 @@ class Outbound:
         `prefix`: the conversation's last request, for a body built from its
         stored messages (`transcript.request_body`), so that only what follows
         it is worked on; the same body and account as without it."""
+        sent, account, _ = self._prepare(body, prefix)
+        return sent, account
+
+    def _prepare(self, body: dict, prefix: Optional[OutboundPrefix]) -> tuple[dict, StripAccount, Optional[bytes]]:
+        """`prepare`, and the body's JSON when it was written from its messages' own (else None)."""
         try:
             if prefix is not None and isinstance(self.protocol, ChatCompletions) and not self.options.passthrough:
                 prepared = self._prepare_past(prefix, body)
@@ -100,14 +106,14 @@ class Outbound:
         sent = self.protocol.render_request(result.request)
         if self.model is not None:
             sent = {**sent, "model": self.model}
-        return sent, self._account(request, result)
+        return sent, self._account(request, result), None
 
-    def _prepare_past(self, prefix: OutboundPrefix, body: dict) -> Optional[tuple[dict, StripAccount]]:
-        """`prepare` for a Chat Completions body by the lenient rule, working only
+    def _prepare_past(self, prefix: OutboundPrefix, body: dict) -> Optional[tuple[dict, StripAccount, bytes]]:
+        """`_prepare` for a Chat Completions body by the lenient rule, working only
         past the conversation's last request: each message is parsed, stripped
-        (when it is before the last user message), rendered and counted once,
-        and again only when the boundary passes it. None for a strict shape
-        (`prepare` sends it as a whole)."""
+        (when it is before the last user message), rendered, counted and written
+        as JSON once, and again only when the boundary passes it. None for a
+        strict shape (sent as a whole)."""
         p = self.protocol
         request = parse_messages_request(body, None, lambda items: prefix.parsed.map(
             items, lambda i, m: p._parse_known(m, f"messages[{i}]")))
@@ -123,30 +129,33 @@ class Outbound:
         total, reasoning, stripped, stripped_tokens, stripped_bytes = (
             sum(map(itemgetter(j), figures)) for j in range(1, 6))
         total += self._other_tokens(request)
-        return sent, StripAccount(
+        account = StripAccount(
             protocol=self.client.protocol, mode="lenient", nudge_rewritten=False, messages_stripped=stripped,
             stripped_tokens=stripped_tokens, stripped_bytes=stripped_bytes, request_tokens=total,
             reasoning_tokens=reasoning, sent_tokens=total - stripped_tokens,
             sent_reasoning_tokens=reasoning - stripped_tokens)
+        return sent, account, encode_with(sent, [f[6] for f in figures])
 
-    def _figures(self, m: Msg, history: bool) -> tuple[dict, int, int, int, int, int]:
+    def _figures(self, m: Msg, history: bool) -> tuple[dict, int, int, int, int, int, str]:
         """One message of a request: (its form on the wire, its tokens, its
-        reasoning tokens, 1 if stripped, the stripped tokens, the stripped bytes)
-        -- stripped by the lenient rule when it is `history` (before the last
-        user message), as `ChatCompletions.strip_lenient` and `strip_result` do."""
+        reasoning tokens, 1 if stripped, the stripped tokens, the stripped bytes,
+        its JSON) -- stripped by the lenient rule when it is `history` (before the
+        last user message), as `ChatCompletions.strip_lenient` and `strip_result` do."""
         p = self.protocol
         tokens, reasoning = self._counted.get(m, self._message_tokens)
         if not (history and p.strips(m, self.options)):
-            return p._render_known(m), tokens, reasoning, 0, 0, 0
+            wire = p._render_known(m)
+            return wire, tokens, reasoning, 0, 0, 0, json.dumps(wire, ensure_ascii=False)
         text = "\n\n".join(r.text for r in m.reasoning if r.text)
-        return (p._render_known(p.without_reasoning(m)), tokens, reasoning, 1,
-                self.count(text), len(text.encode("utf-8")))
+        wire = p._render_known(p.without_reasoning(m))
+        return (wire, tokens, reasoning, 1, self.count(text), len(text.encode("utf-8")),
+                json.dumps(wire, ensure_ascii=False))
 
     def send(self, body: dict, prefix: Optional[OutboundPrefix] = None) -> Forwarded:
         """Strip and send `body`; raises UpstreamError with the provider's status
         when it refuses, UpstreamUnavailable when it cannot answer."""
-        sent, account = self.prepare(body, prefix)
-        response = self.client.post(sent)
+        sent, account, encoded = self._prepare(body, prefix)
+        response = self.client.post(sent, encoded)
         if not response.ok:
             raise self.refused(response.status, response.body, account)
         if not isinstance(response.body, dict):
@@ -203,6 +212,18 @@ class Outbound:
         reasoning = self.count(reasoning_text(m))
         other = [_text(m.content), *(c.arguments for c in m.calls)]
         return reasoning + sum(self.count(t) for t in other if t), reasoning
+
+
+_HOLE = f"messages {uuid.uuid4()}"  # where a body's messages go in its JSON (encode_with)
+
+
+def encode_with(body: dict, messages: list[str]) -> bytes:
+    """`json.dumps(body, ensure_ascii=False)` (UTF-8), with `body["messages"]`'s
+    items given as their JSON texts: the history's were written once, when
+    each message first went out, so a step writes only its new messages."""
+    hole = json.dumps(_HOLE)
+    text = json.dumps({**body, "messages": _HOLE}, ensure_ascii=False)
+    return text.replace(hole, "[" + ", ".join(messages) + "]", 1).encode()
 
 
 def _text(content: object) -> str:

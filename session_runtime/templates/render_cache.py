@@ -31,6 +31,10 @@ _turn = operator.attrgetter("turn")
 PER_BUCKET = 8  # renderings kept per first message: the step's few kinds of render
 
 
+def _length(entry: "_Entry") -> int:
+    return len(entry.messages)
+
+
 def _kept(keep: KeepReasoning, messages: list) -> list:
     """Per message: does its turn keep its reasoning. A threshold (base.KeepFrom)
     over a history in turn order is one bisection, not a call per message."""
@@ -72,10 +76,17 @@ class RenderCache:
         key = id(messages[0]) if messages else None
         best, at = None, 0  # the entry to extend, and the index of its group end to extend from
         with self._lock:
-            for e in self._buckets.get(key, ()):
+            # Longest first: an entry can extend no further than it or this rendering
+            # goes, so once the best found reaches that, the rest are not compared.
+            for e in sorted(self._buckets.get(key, ()), key=_length, reverse=True):
+                if best is not None and min(len(e.messages), len(messages)) <= best.ends[at]:
+                    break
                 if e.system != system or e.tools is not tools:
                     continue
-                shared = min(first_difference(e.messages, messages), first_difference(e.kept, kept, operator.ne))
+                shared = first_difference(e.messages, messages)
+                if best is not None and shared <= best.ends[at]:
+                    continue
+                shared = min(shared, first_difference(e.kept, kept, operator.ne))
                 i = bisect.bisect_right(e.ends, shared) - 1
                 if best is None or e.ends[i] > best.ends[at]:
                     best, at = e, i

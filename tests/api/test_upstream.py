@@ -17,7 +17,7 @@ import json
 import socket
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import httpx
 import pytest
@@ -64,9 +64,11 @@ def recorded(live) -> Iterator[list[dict]]:
     sent: list[dict] = []
     real = client.post
 
-    def post_and_record(body: dict):
+    def post_and_record(body: dict, encoded: Optional[bytes] = None):
+        if encoded is not None:  # the bytes written from each message's own JSON say what the body says
+            assert json.loads(encoded) == body
         sent.append(copy.deepcopy(body))
-        return real(body)
+        return real(body, encoded)
 
     client.post = post_and_record
     try:

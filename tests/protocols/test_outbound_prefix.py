@@ -60,7 +60,7 @@ def _steps(rng: random.Random, n: int):
     then forks (an earlier message replaced), shrinks (a client's history with
     fewer turns), ends on an assistant (a strict shape) or changes its system."""
     history: list[Message] = []
-    system = "system prompt"
+    system = "system prompt ünïcode \u2028"
     t = 0
     for _ in range(n):
         roll = rng.random()
@@ -98,10 +98,12 @@ def test_steps_built_past_the_last_request_equal_fresh_ones(protocol, keep_tool_
         body = request_body(protocol, system, [], history, {"model": "m", "max_tokens": 8}, prefix)
         plain = json.loads(json.dumps(body))
         assert plain == request_body(protocol, system, [], history, {"model": "m", "max_tokens": 8})
-        sent, account = incremental.prepare(body, prefix)
+        sent, account, encoded = incremental._prepare(body, prefix)
         expected_sent, expected_account = fresh.prepare(copy.deepcopy(plain))
         assert json.dumps(sent) == json.dumps(expected_sent)
         assert account == expected_account
+        if encoded is not None:  # written from each message's own JSON: the same bytes as the whole body's
+            assert encoded == json.dumps(expected_sent, ensure_ascii=False).encode()
         assert body == plain  # the request given is never changed
 
 
