@@ -1,6 +1,6 @@
 """The runtime's own cost per step: by conversation length, and steps/s of one process.
 
-    .venv/bin/python bench/frontend.py [--baseline REV] [--turns 300] [--duration 10] [--concurrency 1,8,32] [--fleet]
+    .venv/bin/python bench/frontend.py [--baseline REV] [--turns 300] [--repeats 3] [--duration 10] [--concurrency 1,8,32] [--fleet]
 
 Writes bench/results/frontend.json and .png. Upstream mode against a stand-in
 provider on loopback that answers at once (its own process), so that only the
@@ -8,10 +8,10 @@ runtime's work is timed: the runtime is `session-runtime serve --upstream ...
 --data-dir ...` in its own process (SQLite store, as deployed), driven over
 HTTP by client threads here.
 
-- `per_turn`: one conversation (a 300-word system prompt, a 30-word message
-  and an 8-token answer per turn, drop policy) for `--turns` turns; the
-  median step time around turns 10, 100 and 300 (target: turn 300 within
-  1.5x of turn 10).
+- `per_turn`: `--repeats` conversations (a 300-word system prompt, a 30-word
+  message and an 8-token answer per turn, drop policy) of `--turns` turns
+  each, alternated between the servers; the median step time around turns
+  10, 100 and 300 over all of them (target: turn 300 within 1.5x of turn 10).
 - `throughput`: C clients each running 20-turn conversations back to back for
   `--duration` s; steps/s at each C (target: 3x the 90 steps/s measured
   before this work).
@@ -116,12 +116,18 @@ def step(client: httpx.Client, cid: str) -> float:
     return time.perf_counter() - t0
 
 
-def per_turn(served: Served, turns: int) -> dict:
+def conversation(served: Served, turns: int) -> list[float]:
+    """ms per step of one conversation of `turns` turns."""
     with httpx.Client(base_url=served.url, timeout=120) as c:
         cid = c.post("/v1/conversations", json={"system": SYSTEM, "policy": "drop"}).json()["id"]
-        times = [step(c, cid) * 1000 for _ in range(turns)]
-    medians = {k: statistics.median(times[a:b]) for k, (a, b) in WINDOWS.items() if b <= turns}
-    return {"ms": [round(t, 3) for t in times], "median_ms": {k: round(v, 3) for k, v in medians.items()}}
+        return [round(step(c, cid) * 1000, 3) for _ in range(turns)]
+
+
+def per_turn(runs: list[list[float]], turns: int) -> dict:
+    """Each window's median over every run's steps in it (runs alternated between the servers)."""
+    medians = {k: statistics.median(t for ms in runs for t in ms[a:b]) for k, (a, b) in WINDOWS.items()
+               if b <= turns}
+    return {"ms": runs[0], "runs": len(runs), "median_ms": {k: round(v, 3) for k, v in medians.items()}}
 
 
 def throughput(served, clients: int, duration: float, turns: int = 20) -> dict:
@@ -179,6 +185,7 @@ def main() -> None:
     ap.add_argument("--baseline", help="a commit to measure beside this checkout (git worktree)")
     ap.add_argument("--turns", type=int, default=300)
     ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--repeats", type=int, default=3, help="conversations per server for the per-turn figures")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--name", default="frontend")
     ap.add_argument("--fleet", action="store_true",
@@ -196,7 +203,11 @@ def main() -> None:
     servers, fleets, postgres = {}, {}, None
     try:
         servers = {name: Served(root, upstream, name.split()[0]) for name, root in roots.items()}
-        runs = {name: {"per_turn": per_turn(s, args.turns), "throughput": {}} for name, s in servers.items()}
+        samples: dict = {name: [] for name in servers}
+        for _ in range(args.repeats):  # alternated: a noisy minute hits both alike
+            for name, s in servers.items():
+                samples[name].append(conversation(s, args.turns))
+        runs = {name: {"per_turn": per_turn(samples[name], args.turns), "throughput": {}} for name in servers}
         if args.fleet:
             from tests.postgres import PostgresServer
 

@@ -133,11 +133,11 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
         runtime.delete_conversation(cid)
         return {"id": cid, "deleted": True}
 
-    def timed(call, *args, **kwargs) -> dict:
+    def timed(call, *args, **kwargs) -> JSONResponse:
         t0 = time.perf_counter()
         step = call(*args, **kwargs)
         metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
-        return step.as_dict()
+        return JSONResponse(step.as_dict())  # plain JSON values: no jsonable_encoder walk on the step path
 
     def respond(call, cid: str, first_arg, body, caller: Caller, cancel):
         conv = visible(runtime, cid, caller)  # 404 before any stream starts
