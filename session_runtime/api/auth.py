@@ -152,8 +152,9 @@ def _header(scope: Scope, name: bytes) -> Optional[str]:
     return None
 
 
-def current_caller(request: Request) -> Caller:
-    """The route's Caller, as Authenticate found it (a FastAPI dependency)."""
+async def current_caller(request: Request) -> Caller:
+    """The route's Caller, as Authenticate found it (a FastAPI dependency; async: FastAPI would run a
+    plain one on its thread pool, a thread hop per request)."""
     return request.state.caller
 
 
