@@ -68,6 +68,9 @@ class Fleet:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.on_lost: Callable[[], None] = lambda: None  # this member's beat lapsed: what it holds may be stale
+        # Conversations this member found it owns since its beats last lapsed: routed
+        # here without asking the store (no one takes a live member's conversations).
+        self._mine: set[str] = set()
         for statement in _SCHEMA:
             self._sql(statement)
         self._beat()
@@ -85,6 +88,7 @@ class Fleet:
         self._thread.start()
 
     def _beat(self) -> None:
+        sent = time.monotonic()  # no later than the beat the store records: the others see it lapse after we do
         self._sql(f"INSERT INTO members(id, url, beat) VALUES(%s, %s, {NOW}) ON CONFLICT(id) DO UPDATE "
                   f"SET url = excluded.url, beat = {NOW}", (self.id, self.advertise))
         rows = self._sql(f"SELECT id, url FROM members WHERE beat > {NOW} - %s", (self.ttl,)).fetchall()
@@ -94,7 +98,7 @@ class Fleet:
         members = tuple(sorted(self._live))
         if members != self._ring[0]:
             self._ring = (members, ring(members))
-        self._beaten = time.monotonic()
+        self._beaten = sent
 
     def _beating(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -106,6 +110,7 @@ class Fleet:
                 continue
             if lapsed:
                 log.warning("fleet: this member's beat lapsed; conversations in memory are read again")
+                self._mine.clear()
                 self.on_lost()
 
     def live(self) -> dict[str, str]:
@@ -141,16 +146,32 @@ class Fleet:
                 return cid
         return cid
 
+    def owned(self, cid: str) -> Optional[Route]:
+        """Here, without asking the store, for a conversation this member found
+        it owns, while its beats hold (no member takes a live one's
+        conversations; a write checks it again: store_pg.py `_fence`). Else None."""
+        if cid in self._mine and time.monotonic() - self._beaten < self.ttl:
+            return Route(self.id)
+        return None
+
+    def forget(self, cid: str) -> None:
+        """`cid` was deleted."""
+        self._mine.discard(cid)
+
     def route(self, cid: str, relayed: bool = False) -> Route:
         """Where a request for `cid` is served; claims it for this member when
         its owner is gone and this member is its first choice, or when the
         request was relayed here by a member that found this one its first
         choice (members' views of who is live may differ for a moment)."""
+        mine = self.owned(cid)
+        if mine is not None:
+            return mine
         for _ in range(3):
             row = self._sql("SELECT owner FROM conv WHERE id = %s", (cid,)).fetchone()
             live = self.live()
             owner = row[0] if row is not None else None
             if owner == self.id:
+                self._mine.add(cid)
                 return Route(self.id)
             if owner is not None and owner in live:
                 return Route(owner, live[owner])
@@ -164,6 +185,7 @@ class Fleet:
                 f"(SELECT id FROM members WHERE beat > {NOW} - %s))", (self.id, cid, self.id, self.ttl))
             if taken.rowcount == 1:
                 log.info("fleet: %s took conversation %s over from %s", self.id, cid, owner)
+                self._mine.add(cid)
                 return Route(self.id, claimed=True)
             self._beat()  # another member claimed it first: look again
         raise RuntimeError(f"conversation {cid!r}: no member could take it over")

@@ -301,6 +301,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                 self._conv_locks.pop(conv.id, None)
             self._sized(conv, None)
             self.backend.release(conv.id)
+            if self.fleet is not None:
+                self.fleet.forget(conv.id)
             return True
 
     # ----- steps ----------------------------------------------------------------

@@ -66,8 +66,8 @@ class Forward:
         route = None
         if cid is not None:
             try:
-                route = await run_in_threadpool(fleet.route, cid, relayed)
-                if route.url is None:
+                route = fleet.owned(cid) or await run_in_threadpool(fleet.route, cid, relayed)
+                if route.url is None and (route.claimed or cid not in self.runtime.conversations):
                     await run_in_threadpool(self.runtime.take, cid, route.claimed)
             except Exception as exc:  # the store is away
                 await self._unavailable(scope, send, f"cannot tell which runtime process serves conversation "
