@@ -105,3 +105,23 @@ def test_takeovers_go_to_the_member_under_its_bound(fleet):
     b._beat()
     assert a._loads == b._loads == {"a": 10, "b": 0}
     assert {a.first_choice(c) for c in orphans} == {b.first_choice(c) for c in orphans} == {"b"}
+
+
+def test_a_member_routes_its_own_without_the_store_until_its_beat_lapses(fleet):
+    store, a, b = fleet
+    _owned(store, "m1", "a")
+    assert a.route("m1").url is None  # asked the store: a owns it
+    queries: list[str] = []
+    real = a._sql
+    a._sql = lambda query, params=(): queries.append(query) or real(query, params)
+    assert a.route("m1").url is None and queries == []  # known: not asked again
+    a._beaten -= a.ttl  # a's beats lapsed, and b took the conversation over meanwhile
+    store._sql("UPDATE conv SET owner = 'b' WHERE id = 'm1'")
+    assert a.route("m1").url == "http://b" and queries  # asked again: relayed to its owner
+    a._beat()
+    _owned(store, "m2", "a")
+    assert a.route("m2").url is None
+    a.forget("m2")  # deleted here
+    queries.clear()
+    a.route("m2")
+    assert queries  # no longer known: asked
