@@ -245,7 +245,8 @@ def main() -> None:
             "best_steps_per_s": best, "steps_per_s_at_least_270": best >= 270,
         },
         "notes": ("server, stand-in provider and client threads share this machine's cores; the client's "
-                  "HTTP work competes with the runtime's"),
+                  "HTTP work competes with the runtime's. A --baseline runs from its own worktree in this "
+                  "checkout's venv: what the venv has (httptools, say) serves it too"),
     }
     if fleets:
         one, two = (runs[f"postgresql x{n}"]["throughput"] for n in (1, 2))
