@@ -25,6 +25,7 @@ import uuid
 from typing import Callable, Optional, Sequence
 
 import httpx
+import orjson
 
 from radix_ext.sglang.control import ChannelDown, ControlError
 from radix_ext.sglang.hints import ChainIntent
@@ -47,6 +48,8 @@ BACKGROUND_PRIORITY = 0
 # conversation's (after.py): an agent that steps again within it pays no round
 # trip for it; the close is off the step's path either way.
 RIDE_S = 0.5
+_JSON = {"content-type": "application/json"}
+_NON_STR_KEYS = orjson.OPT_NON_STR_KEYS  # keys written as json.dumps writes them
 
 
 class SGLangBackend(Backend):
@@ -250,7 +253,10 @@ class SGLangBackend(Backend):
         request, and the step fails with the cancellation's error."""
         stop = None
         try:
-            with self.http.stream("POST", f"{self.url}/generate", json=body) as resp:
+            # orjson: the prompt's ids are most of the body, and a long context's are
+            # ~10x faster to write than with json (10 ms at 100k tokens, measured here)
+            with self.http.stream("POST", f"{self.url}/generate", content=orjson.dumps(body, option=_NON_STR_KEYS),
+                                  headers=_JSON) as resp:
                 stop = cancel.watch(lambda: _hang_up(resp)) if cancel is not None else None
                 if resp.status_code >= 400:
                     text = resp.read().decode(errors="replace")
