@@ -7,6 +7,7 @@ cancels it: it stops at its next token and changes nothing (`cancellable`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
@@ -86,22 +87,13 @@ async def cancellable(request: Request, fn: Callable[[Cancellation], T]) -> T:
             pass
         cancel.cancel(StepCancelled("the client disconnected"))
 
-    outcome: dict = {}
-
-    async def work() -> None:
-        try:
-            outcome["value"] = await anyio.to_thread.run_sync(fn, cancel)
-        except BaseException as exc:  # re-raised below, as it came (not in an exception group)
-            outcome["error"] = exc
-        finally:
-            tasks.cancel_scope.cancel()  # stop watching
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(watch)
-        tasks.start_soon(work)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    # A plain asyncio task, not an anyio task group: spawning in one costs more
+    # than the rest of a request's handling here (an Event and a backend lookup per task).
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await anyio.to_thread.run_sync(fn, cancel)
+    finally:
+        watcher.cancel()
 
 
 def _lines(events: queue.Queue, tpl: Template, fmt: Format, head: tuple,
