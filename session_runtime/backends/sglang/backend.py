@@ -530,6 +530,8 @@ def sse_chunks(lines):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            for _ in lines:  # read to the stream's end: a response closed unread closes its
+                pass  # connection, and the next request would open one (connect, and the server's accept)
             return
         yield json.loads(data)
 
