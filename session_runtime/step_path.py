@@ -7,7 +7,6 @@ its conversation's lock held."""
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import operator
 import time
@@ -21,6 +20,7 @@ from session_runtime.errors import BackendUnavailable, InvalidRequest, ShuttingD
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
 from session_runtime.templates import Message, Template, ToolCall
+from session_runtime.templates.base import keeping_starts
 from session_runtime import turns as turn_rules
 from session_runtime.uncached import Known, attribute
 from session_runtime.proxy.prefix import OutboundPrefix
@@ -343,20 +343,17 @@ class StepPath:
                 cancel.cancel(ShuttingDown("the server is shutting down"))
 
 
-_reasoning, _turn = operator.attrgetter("reasoning"), operator.attrgetter("turn")
+_reasoning = operator.attrgetter("reasoning")
 
 
 def _without_reasoning(tpl: Template, history: list[Message], keep) -> list[Message]:
     """`history` with the reasoning of the assistant messages whose turns do not
-    keep it stripped. Only messages that still carry reasoning are looked at,
-    found in C: at a turn's close that is the closed turn's (and, over a client's
-    history, whatever it brought), not the whole conversation."""
-    end = len(history)
-    first = getattr(keep, "first", None)  # a threshold (KeepFrom): the turns from it on keep theirs
-    turns = list(map(_turn, history))
-    if first is not None and all(map(operator.le, turns, turns[1:])):
-        end = bisect.bisect_left(turns, first)
-    carrying = compress(range(end), map(_reasoning, history))
+    keep it stripped. Only messages that still carry reasoning before the first
+    kept turn are looked at, found in C: at a turn's close that is the closed
+    turn's (and, over a client's history, whatever it brought), not the whole
+    conversation."""
+    end = keeping_starts(keep, history)
+    carrying = compress(range(len(history) if end is None else end), map(_reasoning, history))
     out = list(history)
     for i in carrying:
         m = history[i]

@@ -143,13 +143,13 @@ class Outbound:
         last user message), as `ChatCompletions.strip_lenient` and `strip_result` do."""
         p = self.protocol
         tokens, reasoning = self._counted.get(m, self._message_tokens)
-        if not (history and p.strips(m, self.options)):
-            wire = p._render_known(m)
-            return wire, tokens, reasoning, 0, 0, 0, json.dumps(wire, ensure_ascii=False)
-        text = "\n\n".join(r.text for r in m.reasoning if r.text)
-        wire = p._render_known(p.without_reasoning(m))
-        return (wire, tokens, reasoning, 1, self.count(text), len(text.encode("utf-8")),
-                json.dumps(wire, ensure_ascii=False))
+        stripped, text = history and p.strips(m, self.options), ""
+        if stripped:
+            text = "\n\n".join(r.text for r in m.reasoning if r.text)
+            m = p.without_reasoning(m)
+        wire = p._render_known(m)
+        return (wire, tokens, reasoning, int(stripped), self.count(text) if stripped else 0,
+                len(text.encode("utf-8")), json.dumps(wire, ensure_ascii=False))
 
     def send(self, body: dict, prefix: Optional[OutboundPrefix] = None) -> Forwarded:
         """Strip and send `body`; raises UpstreamError with the provider's status
@@ -215,15 +215,15 @@ class Outbound:
 
 
 _HOLE = f"messages {uuid.uuid4()}"  # where a body's messages go in its JSON (encode_with)
+_HOLE_JSON = json.dumps(_HOLE)
 
 
 def encode_with(body: dict, messages: list[str]) -> bytes:
     """`json.dumps(body, ensure_ascii=False)` (UTF-8), with `body["messages"]`'s
     items given as their JSON texts: the history's were written once, when
     each message first went out, so a step writes only its new messages."""
-    hole = json.dumps(_HOLE)
     text = json.dumps({**body, "messages": _HOLE}, ensure_ascii=False)
-    return text.replace(hole, "[" + ", ".join(messages) + "]", 1).encode()
+    return text.replace(_HOLE_JSON, "[" + ", ".join(messages) + "]", 1).encode()
 
 
 def _text(content: object) -> str:

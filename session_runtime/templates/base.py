@@ -9,6 +9,8 @@ place a rendering changes is where a closed turn drops its reasoning.
 
 from __future__ import annotations
 
+import bisect
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
@@ -84,6 +86,22 @@ class KeepFrom:
 
     def __call__(self, turn: int) -> bool:
         return turn >= self.first
+
+
+_turn = operator.attrgetter("turn")
+
+
+def keeping_starts(keep: KeepReasoning, messages: Sequence[Message]) -> Optional[int]:
+    """The index of the first message whose turn keeps its reasoning, when `keep`
+    is a threshold (KeepFrom) and the messages are in turn order: one bisection
+    in C instead of a call per message. None otherwise (ask `keep` per message)."""
+    first = getattr(keep, "first", None)
+    if first is None:
+        return None
+    turns = list(map(_turn, messages))
+    if not all(map(operator.le, turns, turns[1:])):
+        return None
+    return bisect.bisect_left(turns, first)
 
 
 def message_groups(messages: Sequence[Message]) -> Iterator[tuple[str, list[Message]]]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from session_runtime.sequences import first_difference
-from session_runtime.templates.base import KeepReasoning, Message, Rendered, message_groups
+from session_runtime.templates.base import KeepReasoning, Message, Rendered, keeping_starts, message_groups
 
 _turn = operator.attrgetter("turn")
 PER_BUCKET = 8  # renderings kept per first message: the step's few kinds of render
@@ -36,14 +36,11 @@ def _length(entry: "_Entry") -> int:
 
 
 def _kept(keep: KeepReasoning, messages: list) -> list:
-    """Per message: does its turn keep its reasoning. A threshold (base.KeepFrom)
-    over a history in turn order is one bisection, not a call per message."""
-    turns = list(map(_turn, messages))
-    first = getattr(keep, "first", None)
-    if first is None or not all(map(operator.le, turns, turns[1:])):
-        return list(map(keep, turns))
-    k = bisect.bisect_left(turns, first)
-    return [False] * k + [True] * (len(turns) - k)
+    """Per message: does its turn keep its reasoning (`base.keeping_starts`)."""
+    k = keeping_starts(keep, messages)
+    if k is None:
+        return list(map(keep, map(_turn, messages)))
+    return [False] * k + [True] * (len(messages) - k)
 
 
 @dataclass
