@@ -50,6 +50,7 @@ import time as _time
 _T0 = _time.perf_counter()  # the run's wall time counts the imports too
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -71,12 +72,14 @@ sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
 import httpx  # noqa: E402
+import orjson  # noqa: E402
 
 from report import RESULTS, write_report  # noqa: E402
 
 from session_runtime.backends.base import StepRequest  # noqa: E402
 from session_runtime.backends.sglang.launcher import LaunchSpec, LaunchedServer, launch  # noqa: E402
 from session_runtime.backends.sglang.backend import sse_chunks  # noqa: E402
+from session_runtime.direct_http import DirectPool  # noqa: E402
 from session_runtime.config import RuntimeConfig  # noqa: E402
 from session_runtime.runtime import Runtime  # noqa: E402
 from session_runtime.sampling import SamplingParams  # noqa: E402
@@ -275,17 +278,18 @@ def flush(url: str) -> None:
     raise RuntimeError(f"{url}/flush_cache kept failing: {r.status_code} {r.text[:200]}")
 
 
-def generate(http: httpx.Client, url: str, ids: list[int], max_new: int, stop: list[int]) -> dict:
+def generate(http: DirectPool, url: str, ids: list[int], max_new: int, stop: list[int]) -> dict:
     """One streamed /generate, as the runtime's SGLang backend sends it minus
-    session_id, kv_hints and namespace keys. Returns output ids, meta_info,
+    session_id, kv_hints and namespace keys, over the same HTTP client (so that
+    the two differ by the runtime's layer only). Returns output ids, meta_info,
     time to first chunk and total time (ms)."""
     body = {"input_ids": ids, "stream": True,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "stop_token_ids": stop}}
     t0 = time.perf_counter()
     first, final = None, {}
-    with http.stream("POST", f"{url}/generate", json=body) as resp:
-        if resp.status_code >= 400:
-            raise RuntimeError(f"/generate: HTTP {resp.status_code}: {resp.read()[:300]!r}")
+    with http.post("/generate", orjson.dumps(body), {"content-type": "application/json"}) as resp:
+        if resp.status >= 400:
+            raise RuntimeError(f"/generate: HTTP {resp.status}: {resp.read()[:300]!r}")
         for chunk in sse_chunks(resp.iter_lines()):
             if "error" in chunk:
                 raise RuntimeError(f"/generate: {chunk['error']}")
@@ -331,7 +335,7 @@ def turn_row(first: dict, tools: list[dict], fstep_ms: float) -> dict:
 
 def play_plain(label: str, url: str, trace: dict, tpl, ps: int, bpt: int) -> dict:
     """A raw /generate client: the canonical history rendered client-side."""
-    http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0))
+    http = DirectPool(url)
     conv = ClientConversation(tpl, trace["system"], TOOLS)
     shadow, rows, mismatches, stop = Shadow(ps), [], [], sorted(tpl.stop_token_ids)
 
@@ -674,28 +678,23 @@ class RawAgents:
 
     def run(self, c: int, duration: float) -> dict:
         self.run_id += 1
-        local, run_id = threading.local(), self.run_id
-        clients: list[httpx.Client] = []
+        run_id, http = self.run_id, DirectPool(self.url)
 
         def step_fn(agent: int, n: int) -> tuple[float, int]:
-            if getattr(local, "http", None) is None:
-                local.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0))
-                clients.append(local.http)
             system, user = b_prompt(self.args.seed, agent, n + 100_000 * run_id, self.args.b_system_words,
                                     self.args.b_user_words)
             prompt = self.tpl.render(f"[{self.tag} c{c}] " + system, [], [Message("user", 0, user)],
                                      lambda t: True, True).ids
             if self.forced is None:
-                res = generate(local.http, self.url, prompt, NEW_TOKENS, self.stop)
+                res = generate(http, self.url, prompt, NEW_TOKENS, self.stop)
                 return res["total_ms"], len(res["output"])
-            res = generate(local.http, self.url, prompt + self.forced, 0, self.stop)
+            res = generate(http, self.url, prompt + self.forced, 0, self.stop)
             return res["total_ms"], len(self.forced)
 
         try:
             return drive(c, duration, step_fn)
         finally:
-            for h in clients:
-                h.close()
+            http.close()
 
 
 def part_b(drivers: dict[str, object], levels: list[int], duration: float, rounds: int,
@@ -732,7 +731,7 @@ def warm_runtime(rt: Runtime, args, n: int) -> None:
 
 
 def warm_plain(url: str, tpl, args, n: int) -> None:
-    with httpx.Client(timeout=600) as http:
+    with contextlib.closing(DirectPool(url)) as http:
         for k in range(n):
             system, user = b_prompt(args.seed + 99, 0, k, args.b_system_words, args.b_user_words)
             prompt = tpl.render("[warmup] " + system, [], [Message("user", 0, user)], lambda t: True, True).ids

@@ -37,6 +37,7 @@ class _Deadlines:
         self._due: dict = {}  # Cancellation -> deadline
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self._wakes = float("inf")  # when the thread wakes next, unless notified
 
     def add(self, cancel: "Cancellation") -> None:
         with self._cond:
@@ -44,7 +45,8 @@ class _Deadlines:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="step-deadlines", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if cancel.deadline < self._wakes:  # most deadlines come after those already watched:
+                self._cond.notify()  # waking the thread for each would cost every step a GIL hand-off
 
     def discard(self, cancel: "Cancellation") -> None:
         with self._cond:
@@ -58,7 +60,9 @@ class _Deadlines:
                 for c in passed:
                     del self._due[c]
                 if not passed:
-                    self._cond.wait(min(self._due.values(), default=now + 60) - now + 0.01)
+                    self._wakes = min(self._due.values(), default=now + 60) + 0.01
+                    self._cond.wait(self._wakes - now)
+                    self._wakes = float("-inf")  # awake: it reads every deadline before it waits again
             for c in passed:  # outside the lock: a watcher closes a stream
                 c.cancel(DeadlineExceeded(DEADLINE_PASSED))
 

@@ -83,3 +83,24 @@ def test_shutdown_cancels_the_steps_in_flight_within_seconds():
     t.join(30)
     assert time.monotonic() - t0 < 10
     assert isinstance(out.get("error"), ShuttingDown) and out["error"].status == 503
+
+
+def test_watched_deadlines_fire_in_any_order_they_were_added():
+    """The deadline thread is woken only for a deadline earlier than the one it
+    waits for: a later one added while it waits, and an earlier one added after
+    a far one, both fire on time."""
+    fired: dict[str, float] = {}
+    t0 = time.monotonic()
+    stops = []
+    for name, after_s in (("far", 1.2), ("near", 0.3), ("later", 0.8), ("gone", 0.5)):
+        cancel = Cancellation(after_s)
+        stops.append(cancel.watch(lambda name=name: fired.setdefault(name, time.monotonic() - t0)))
+        if name == "gone":
+            stops[-1]()  # no longer watched: never fires
+        time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while len(fired) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert set(fired) == {"far", "near", "later"}
+    for name, due in (("near", 0.35), ("later", 0.9), ("far", 1.2)):
+        assert due <= fired[name] < due + 0.5, (name, fired)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -35,6 +34,7 @@ from session_runtime.accounting import StepAccounting, attention_work
 from session_runtime.backends.base import Backend, Cancellation, ChainState, StepRequest, StepResult, StepTiming
 from session_runtime.backends.sglang.after import OwnerQueue
 from session_runtime.backends.sglang.control_client import RequestControl
+from session_runtime.direct_http import DirectPool, TransportError
 from session_runtime.turns import common_prefix
 from session_runtime.errors import BackendUnavailable, ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.metrics import Sample, gauge
@@ -81,7 +81,11 @@ class SGLangBackend(Backend):
         self._closing = False
         self._restart_lock = threading.Lock()
         self._restarting: Optional[threading.Thread] = None
-        self.http = http if http is not None else control.http
+        self.http = http if http is not None else control.http  # commands and checks
+        # A step's own request: lean keep-alive connections, with the same key (direct_http.py)
+        self.steps = DirectPool(self.url, headers={k: v for k, v in self.http.headers.items()
+                                                   if k.lower() == "authorization"},
+                                timeout_s=self.http.timeout.read or 600.0)
         # Commands after a step, off its path, in order per conversation; for up to
         # RIDE_S they may ride the conversation's next request instead of their own.
         self.after = OwnerQueue(ride_s=RIDE_S, send_batch=lambda commands: self._send(
@@ -255,12 +259,10 @@ class SGLangBackend(Backend):
         try:
             # orjson: the prompt's ids are most of the body, and a long context's are
             # ~10x faster to write than with json (10 ms at 100k tokens, measured here)
-            with self.http.stream("POST", f"{self.url}/generate", content=orjson.dumps(body, option=_NON_STR_KEYS),
-                                  headers=_JSON) as resp:
-                stop = cancel.watch(lambda: _hang_up(resp)) if cancel is not None else None
-                if resp.status_code >= 400:
-                    text = resp.read().decode(errors="replace")
-                    raise self._http_error(resp.status_code, text)
+            with self.steps.post("/generate", orjson.dumps(body, option=_NON_STR_KEYS), _JSON) as resp:
+                stop = cancel.watch(resp.hang_up) if cancel is not None else None
+                if resp.status >= 400:
+                    raise self._http_error(resp.status, resp.read().decode(errors="replace"))
                 for chunk in sse_chunks(resp.iter_lines()):
                     if "error" in chunk:
                         raise self._abort_error(str(chunk["error"]))
@@ -268,8 +270,8 @@ class SGLangBackend(Backend):
         except Exception as exc:
             if cancel is not None and cancel.error is not None:  # we closed it
                 raise cancel.error from None
-            if isinstance(exc, httpx.TransportError):
-                raise BackendUnavailable(self._down(f"{type(exc).__name__}: {exc}")) from None
+            if isinstance(exc, TransportError):
+                raise BackendUnavailable(self._down(str(exc))) from None
             raise
         finally:
             if stop is not None:
@@ -498,6 +500,7 @@ class SGLangBackend(Backend):
         self._stop.set()
         self.after.close()
         self.http.close()
+        self.steps.close()
         if self.server is not None:
             with self._restart_lock:
                 self._closing = True
@@ -508,32 +511,18 @@ class SGLangBackend(Backend):
             self.server.stop()
 
 
-def _hang_up(resp: httpx.Response) -> None:
-    """Close a streaming response from another thread: a read blocked in it
-    returns at once (closing the Response alone waits for that read)."""
-    stream = resp.extensions.get("network_stream")
-    sock = stream.get_extra_info("socket") if stream is not None else None
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed
-    else:
-        resp.close()
-
-
 def sse_chunks(lines):
-    """The JSON objects of SGLang's `/generate` stream (`data: {...}` lines up to
-    `data: [DONE]`)."""
+    """The JSON objects of SGLang's `/generate` stream (`data: {...}` lines, as
+    bytes, up to `data: [DONE]`)."""
     for line in lines:
-        if not line.startswith("data:"):
+        if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
-        if data == "[DONE]":
+        if data == b"[DONE]":
             for _ in lines:  # read to the stream's end: a response closed unread closes its
                 pass  # connection, and the next request would open one (connect, and the server's accept)
             return
-        yield json.loads(data)
+        yield orjson.loads(data)
 
 
 def _relative(probe: Sequence[int], prompt: list[int]) -> tuple[int, list[int]]:
