@@ -36,6 +36,10 @@ class TransportError(Exception):
     """The server could not be reached, or the connection broke or timed out."""
 
 
+class TransportTimeout(TransportError):
+    """No answer within the timeout (connecting, or reading)."""
+
+
 class DirectResponse:
     """One response, read in the `post` block that made it."""
 
@@ -89,6 +93,8 @@ class DirectResponse:
 
     def _failed(self, exc: BaseException) -> TransportError:
         self._broken = True
+        if isinstance(exc, TimeoutError):
+            return TransportTimeout("no more of the answer came within the timeout")
         return TransportError(f"the connection broke while reading the answer: {type(exc).__name__}: {exc}")
 
 
@@ -138,8 +144,10 @@ class DirectPool:
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
-            kind = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
-            raise TransportError(f"POST {self.scheme}://{self.host}:{self.port}{target}: {kind}") from None
+            where = f"POST {self.scheme}://{self.host}:{self.port}{target}"
+            if isinstance(exc, TimeoutError):
+                raise TransportTimeout(f"{where}: timed out") from None
+            raise TransportError(f"{where}: {type(exc).__name__}: {exc}") from None
         out = DirectResponse(conn, resp)
         try:
             yield out

@@ -18,12 +18,19 @@ from typing import Any, Optional
 
 class IdleChains:
     def __init__(self) -> None:
-        self.since: dict[str, float] = {}  # owner -> when its turn closed
+        # owner -> when its turn closed, in that order (a mark moves the owner to
+        # the end): the due ones are a prefix, found without a sort per iteration
+        self.since: dict[str, float] = {}
         self.ttl_s = 0.0  # 0: retire only under pressure
         self.stats = {"ttl_released": 0, "pressure_released": 0, "ttl_demoted": 0, "pressure_demoted": 0}
 
     def mark(self, owner: str, ttl_s: float, now: Optional[float] = None) -> None:
-        self.since[owner] = time.monotonic() if now is None else now
+        at = time.monotonic() if now is None else now
+        self.since.pop(owner, None)
+        late = next(reversed(self.since.values()), at) > at  # only a caller's own clock does that
+        self.since[owner] = at
+        if late:
+            self.since = dict(sorted(self.since.items(), key=lambda kv: kv[1]))
         self.ttl_s = ttl_s
 
     def active(self, owner: str) -> None:
@@ -35,7 +42,11 @@ class IdleChains:
         if not self.since or self.ttl_s <= 0:
             return 0
         now = time.monotonic() if now is None else now
-        due = [owner for owner, since in sorted(self.since.items(), key=lambda kv: kv[1]) if now - since >= self.ttl_s]
+        due = []
+        for owner, since in self.since.items():  # oldest first
+            if now - since < self.ttl_s:
+                break
+            due.append(owner)
         for owner in due:
             self.retire(cache, owner, "ttl")
         return len(due)
@@ -44,7 +55,7 @@ class IdleChains:
         """Retire idle chains, oldest first, until `tokens` slots are free or
         evictable (a promotion needs them now)."""
         alloc = cache.token_to_kv_pool_allocator
-        for owner in sorted(self.since, key=self.since.get):
+        for owner in list(self.since):  # oldest first
             if alloc.available_size() + cache.evictable_size() >= tokens:
                 return
             if owner != exclude:

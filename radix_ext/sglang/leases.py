@@ -29,13 +29,17 @@ class Leases:
             self.holder_of.pop(owner, None)
             return
         self.holder_of[owner] = holder
-        self.renew(holder, lease_s, now)
+        self._push(holder, lease_s, now)
 
     def renew(self, holder: str, lease_s: float, now: Optional[float] = None) -> int:
-        """Push the holder's deadline to `lease_s` from now; its chain count."""
+        """Push the holder's deadline to `lease_s` from now; its chain count (the
+        heartbeat's answer: counted here, not on every step's hold)."""
+        self._push(holder, lease_s, now)
+        return sum(1 for h in self.holder_of.values() if h == holder)
+
+    def _push(self, holder: str, lease_s: float, now: Optional[float]) -> None:
         now = time.monotonic() if now is None else now
         self.until[holder] = max(self.until.get(holder, 0.0), now + lease_s)
-        return sum(1 for h in self.holder_of.values() if h == holder)
 
     def live(self, owner: str, now: Optional[float] = None) -> bool:
         """Is the chain held under a lease that has not passed (another runtime's, maybe)?"""

@@ -8,6 +8,7 @@ OpenAI-style APIs up to and including `/v1` (`https://api.deepseek.com/v1`,
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import time
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+from session_runtime.direct_http import DirectPool, TransportError, TransportTimeout
 from session_runtime.errors import UpstreamUnavailable
 
 # protocol -> (path under the base URL, environment variable of its usual key)
@@ -46,9 +48,12 @@ class UpstreamResponse:
 
 
 class UpstreamClient:
-    """Thread-safe (one pooled httpx client). `post` raises UpstreamUnavailable
-    when the provider cannot be reached or answers 5xx; a 4xx comes back as a
-    response for the caller to name."""
+    """Thread-safe. `post` (a step's request) goes over kept-alive standard-library
+    connections (`direct_http.py`: a fraction of httpx's CPU per request, which
+    every step of the process pays under one GIL); `stream` (the relay) over
+    httpx, which decodes what a provider compresses. `post` raises
+    UpstreamUnavailable when the provider cannot be reached or answers 5xx; a
+    4xx comes back as a response for the caller to name."""
 
     def __init__(self, base_url: str, protocol: str, key: Optional[str] = None, timeout_s: float = 600.0):
         import httpx
@@ -60,6 +65,8 @@ class UpstreamClient:
         self.url = self.base_url + ENDPOINTS[protocol][0]
         self._key = upstream_key(protocol, key)
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
+        self._direct = DirectPool(self.base_url, timeout_s=timeout_s, connect_s=min(10.0, timeout_s))
+        self._path = self.url[len(self.base_url):]
 
     def headers(self) -> dict:
         out = {"content-type": "application/json"}
@@ -73,21 +80,23 @@ class UpstreamClient:
 
     def post(self, body: dict, encoded: Optional[bytes] = None) -> UpstreamResponse:
         """`encoded`: the body's JSON, when the caller has it (proxy/outbound.py `encode_with`)."""
-        import httpx
-
         t0 = time.perf_counter()
         content = encoded if encoded is not None else json.dumps(body, ensure_ascii=False).encode()
         try:
-            r = self._http.post(self.url, content=content, headers=self.headers())
-        except httpx.TimeoutException as exc:
+            with self._direct.post(self._path, content, self.headers()) as r:
+                raw, encoding = r.read(), (r.header("content-encoding") or "").lower()
+                request_id = r.header("x-request-id") or r.header("request-id")
+                status = r.status
+        except TransportTimeout as exc:
             raise UpstreamUnavailable(f"the upstream {self.url} did not answer in time: {exc}", status=504) from None
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             raise UpstreamUnavailable(f"the upstream {self.url} cannot be reached: {exc}") from None
-        response = UpstreamResponse(r.status_code, _body(r), (time.perf_counter() - t0) * 1e3,
-                                    r.headers.get("x-request-id") or r.headers.get("request-id"))
-        if r.status_code >= 500:
-            raise UpstreamUnavailable(f"the upstream {self.url} failed with {r.status_code}",
-                                      details={"status": r.status_code, "body": response.body})
+        if encoding == "gzip":  # asked for none (identity), but a server may send it anyway
+            raw = gzip.decompress(raw)
+        response = UpstreamResponse(status, _body(raw), (time.perf_counter() - t0) * 1e3, request_id)
+        if status >= 500:
+            raise UpstreamUnavailable(f"the upstream {self.url} failed with {status}",
+                                      details={"status": status, "body": response.body})
         return response
 
     @contextmanager
@@ -107,10 +116,11 @@ class UpstreamClient:
 
     def close(self) -> None:
         self._http.close()
+        self._direct.close()
 
 
-def _body(r) -> object:
+def _body(raw: bytes) -> object:
     try:
-        return r.json()
+        return json.loads(raw)
     except ValueError:
-        return r.text
+        return raw.decode(errors="replace")

@@ -240,3 +240,53 @@ def test_a_streamed_5xx_is_unavailable_as_a_plain_ones_is():
             backend.forward_stream(body)
         assert e.value.details["status"] == status and e.value.details["body"] == {"error": {"message": "no"}}
     backend.close()
+
+
+def test_the_clients_post_names_an_unreachable_and_a_slow_upstream():
+    """A step's POST (over direct_http): nothing listening is 'cannot be reached'
+    (502), no answer within the timeout is 504; a gzipped answer is read plain."""
+    import gzip
+    import http.server
+    import socket
+    import threading
+    import time
+
+    from session_runtime.errors import UpstreamUnavailable
+    from session_runtime.proxy.client import UpstreamClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UpstreamUnavailable, match="cannot be reached") as e:
+        UpstreamClient(f"http://127.0.0.1:{port}/v1", "deepseek", key="k").post({"model": "m"})
+    assert e.value.status == 502
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            if self.path.endswith("/slow/chat/completions"):
+                time.sleep(2)
+            body = gzip.compress(b'{"ok": true}')
+            self.send_response(200)
+            self.send_header("content-encoding", "gzip")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        with pytest.raises(UpstreamUnavailable, match="did not answer in time") as e:
+            UpstreamClient(base + "/slow", "deepseek", key="k", timeout_s=0.5).post({"model": "m"})
+        assert e.value.status == 504
+        assert UpstreamClient(base + "/fast", "deepseek", key="k").post({"model": "m"}).body == {"ok": True}
+    finally:
+        srv.shutdown()
+        srv.server_close()

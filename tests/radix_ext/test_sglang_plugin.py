@@ -535,3 +535,23 @@ def test_a_batch_runs_each_close_or_wait_in_order_and_refuses_other_commands(ser
     assert client.call("pools")["chains"] == {"a": 10, "b": 12}  # b still held: the release was refused
     client.call("check")
 
+
+
+def test_idle_chains_are_kept_oldest_first_and_retire_due_reads_only_the_due():
+    """retire_due runs every scheduler iteration: it reads the due prefix of the
+    idle chains (kept in the order they went idle; a mark moves one to the end)
+    instead of sorting them all each time."""
+    from types import SimpleNamespace
+
+    from radix_ext.sglang.idle import IdleChains
+
+    idle = IdleChains()
+    for k in range(1000):
+        idle.mark(f"c{k}", ttl_s=10.0, now=float(k))
+    idle.mark("c0", ttl_s=10.0, now=1000.0)  # active again, idle again: now the newest
+    idle.mark("early", ttl_s=10.0, now=-1.0)  # a caller's own clock, out of order: still sorted
+    assert list(idle.since)[:3] == ["early", "c1", "c2"] and list(idle.since)[-1] == "c0"
+    nothing_held = SimpleNamespace(chains={})
+    assert idle.retire_due(nothing_held, now=15.0) == 6  # early, c1..c5: since <= 5
+    assert list(idle.since)[0] == "c6"
+    assert idle.retire_due(nothing_held, now=15.0) == 0
