@@ -53,6 +53,11 @@ REPLY = {"id": "r", "object": "chat.completion", "created": 0, "model": "m",
          "choices": [{"index": 0, "finish_reason": "stop", "message": {
              "role": "assistant", "content": "Sure, done: six words here.", "reasoning_content": "Think."}}],
          "usage": {"prompt_tokens": 100, "completion_tokens": 8, "total_tokens": 108}}
+ANTHROPIC_REPLY = {"id": "msg_r", "type": "message", "role": "assistant", "model": "m",
+                   "content": [{"type": "thinking", "thinking": "Think.", "signature": "c2ln"},
+                               {"type": "text", "text": "Sure, done: six words here."}],
+                   "stop_reason": "end_turn", "stop_sequence": None,
+                   "usage": {"input_tokens": 100, "output_tokens": 8}}
 WINDOWS = {"10": (5, 15), "100": (95, 105), "300": (290, 300)}
 
 
@@ -60,15 +65,19 @@ def stand_in() -> None:
     """The provider: answers every POST at once (one write, so no Nagle wait)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    body = json.dumps(REPLY).encode()
-    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    def answer(reply: dict) -> bytes:
+        body = json.dumps(reply).encode()
+        return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+            len(body), body)
+
+    chat, messages = answer(REPLY), answer(ANTHROPIC_REPLY)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self):  # noqa: N802
             self.rfile.read(int(self.headers.get("content-length", 0)))
-            self.wfile.write(head + body)
+            self.wfile.write(messages if self.path.endswith("/v1/messages") else chat)
 
         def log_message(self, *args):
             pass
@@ -195,7 +204,8 @@ def plot(result: dict, path: Path) -> None:
     b.axhline(270, color="gray", ls="--", lw=0.8, label="target: 3x 90 steps/s")
     for ax in (a, b):
         ax.legend()
-    fig.suptitle(f"bench/frontend.py on {result['machine']['cores']} CPU cores (upstream mode, stand-in provider)")
+    fig.suptitle(f"bench/frontend.py on {result['machine']['cores']} CPU cores (upstream mode, "
+                 f"{result['settings']['protocol']} protocol, stand-in provider)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -208,13 +218,16 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=300)
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=3, help="conversations per server for the per-turn figures")
-    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--concurrency", default="1,8,32", help="client counts for steps/s; 'none': per-turn figures only")
+    ap.add_argument("--protocol", default="deepseek", choices=["deepseek", "anthropic"],
+                    help="the upstream protocol (the stand-in answers both)")
     ap.add_argument("--name", default="frontend")
     ap.add_argument("--fleet", action="store_true",
                     help="also one and two processes over one PostgreSQL store (a server started here)")
     args = ap.parse_args()
     provider = subprocess.Popen([sys.executable, __file__, "--stand-in"], stdout=subprocess.PIPE, text=True)
-    upstream = f"http://127.0.0.1:{provider.stdout.readline().strip()}/v1"
+    upstream = f"http://127.0.0.1:{provider.stdout.readline().strip()}"
+    upstream += "/v1" if args.protocol == "deepseek" else ""  # what each provider's SDK takes as base_url
     roots = {"this checkout": ROOT}
     worktree = None
     if args.baseline:
@@ -224,7 +237,8 @@ def main() -> None:
         roots = {f"baseline {args.baseline}": worktree, **roots}
     servers, fleets, postgres = {}, {}, None
     try:
-        servers = {name: Served(root, upstream, name.split()[0]) for name, root in roots.items()}
+        servers = {name: Served(root, upstream, name.split()[0], "--upstream-protocol", args.protocol)
+                   for name, root in roots.items()}
         samples: dict = {name: [] for name in servers}
         for _ in range(args.repeats):  # alternated: a noisy minute hits both alike
             for name, s in servers.items():
@@ -238,7 +252,7 @@ def main() -> None:
                 store = ("--store", postgres.new_database())
                 fleets[f"postgresql x{n}"] = [Served(ROOT, upstream, f"pg{n}-{i}", *store) for i in range(n)]
         levels = {**servers, **fleets}
-        for c in [int(x) for x in args.concurrency.split(",")]:
+        for c in [int(x) for x in args.concurrency.split(",")] if args.concurrency != "none" else ():
             for name, s in levels.items():  # alternated, level by level
                 runs.setdefault(name, {"throughput": {}})["throughput"][str(c)] = throughput(s, c, args.duration)
                 print(name, c, runs[name]["throughput"][str(c)], flush=True)
@@ -252,19 +266,19 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT, capture_output=True)
     ours = runs["this checkout"]
     med = ours["per_turn"]["median_ms"]
-    best = max(v["steps_per_s"] for v in ours["throughput"].values())
+    best = max((v["steps_per_s"] for v in ours["throughput"].values()), default=None)
     result = {
         "command": "python bench/frontend.py " + " ".join(sys.argv[1:]),
         "machine": {"cores": os.cpu_count(), "gpu": None, "python": sys.version.split()[0]},
         "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                      text=True).stdout.strip(),
-        "settings": {"turns": args.turns, "duration_s": args.duration, "system_words": 300, "message_words": 30,
+        "settings": {"protocol": args.protocol, "turns": args.turns, "duration_s": args.duration, "system_words": 300, "message_words": 30,
                      "answer_tokens": 8, "policy": "drop", "store": "SQLite (--data-dir)"},
         "runs": runs,
         "targets": {
             "turn_300_over_turn_10": round(med["300"] / med["10"], 2) if "300" in med else None,
             "turn_300_within_1.5x_of_turn_10": ("300" in med and med["300"] <= 1.5 * med["10"]),
-            "best_steps_per_s": best, "steps_per_s_at_least_270": best >= 270,
+            "best_steps_per_s": best, "steps_per_s_at_least_270": best is not None and best >= 270,
         },
         "notes": ("server, stand-in provider and client threads share this machine's cores; the client's "
                   "HTTP work competes with the runtime's (the client is http.client keep-alive, "

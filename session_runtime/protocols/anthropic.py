@@ -12,14 +12,13 @@ are: `convert.to_chat` splits them for another protocol.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Optional
 
 from session_runtime.protocols.base import (
-    ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, dig, error_message,
-    expect_ints, expect_list, expect_object, expect_str, is_int, parse_messages_request, render_messages_request,
-    strip_result,
+    ChatProtocol, MessagesHistory, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, dig,
+    error_message, expect_ints, expect_list, expect_object, expect_str, is_int, parse_messages_request,
+    render_messages_request,
 )
 from session_runtime.protocols.canonical import Call, ChatRequest, Msg, Reasoning, Reply, Usage
 
@@ -52,14 +51,14 @@ def dotted(path: str) -> str:
     return path.replace("[", ".").replace("]", "")
 
 
-class Anthropic(ChatProtocol):
+class Anthropic(MessagesHistory, ChatProtocol):
     name = "anthropic"
 
     def parse_request(self, body: dict) -> ChatRequest:
-        return parse_messages_request(body, self.parse_message)
+        return parse_messages_request(body, self._parse_known)
 
     def render_request(self, req: ChatRequest) -> dict:
-        return render_messages_request(req, self.render_message)
+        return render_messages_request(req, self._render_known)
 
     def parse_message(self, m: Any, path: str) -> Msg:
         expect_object(m, path)
@@ -135,26 +134,25 @@ class Anthropic(ChatProtocol):
         """Every assistant message after the last user message without tool
         results (the open tool chain, whose last message Anthropic wants
         echoed exactly) keeps its blocks untouched. Earlier ones lose their
-        thinking and redacted_thinking blocks, unless `options.context` is
-        "all_turns" (preserved-thinking models bind signatures to the prefix),
-        `keep_tool_turns` covers a tool_use turn, or nothing would be left."""
+        thinking and redacted_thinking blocks (`strips`), unless `options.context`
+        is "all_turns" (preserved-thinking models bind signatures to the prefix)."""
         if options.passthrough:
             return StripResult(request=req, mode="passthrough")
-        boundary = next((i for i in range(len(req.messages) - 1, -1, -1)
-                         if req.messages[i].role == "user" and not has_tool_results(req.messages[i])), -1)
+        return self.strip_history(req, req.messages, self.history_boundary(req.messages, options), options)
+
+    def history_boundary(self, messages: tuple[Msg, ...], options: StripOptions) -> int:
+        """The last user message that is not tool results (0, none, under "all_turns")."""
         if options.context == "all_turns":
-            boundary = -1
-        out = list(req.messages)
-        removed: dict[int, tuple[Reasoning, ...]] = {}
-        for i in range(max(boundary, 0)):
-            m = req.messages[i]
-            if m.role != "assistant" or not m.reasoning or (options.keep_tool_turns and m.calls):
-                continue
-            if not m.calls and not m.content:
-                continue  # an empty assistant message would be refused
-            out[i] = dataclasses.replace(m, reasoning=None)
-            removed[i] = m.reasoning
-        return strip_result(dataclasses.replace(req, messages=tuple(out)), removed)
+            return 0
+        return max(next((i for i in range(len(messages) - 1, -1, -1)
+                         if messages[i].role == "user" and not has_tool_results(messages[i])), -1), 0)
+
+    @staticmethod
+    def strips(m: Msg, options: StripOptions) -> bool:
+        """An assistant message's thinking goes, unless `keep_tool_turns` covers a
+        tool_use turn, or nothing would be left (an empty message is refused)."""
+        return (m.role == "assistant" and bool(m.reasoning) and not (options.keep_tool_turns and m.calls)
+                and bool(m.calls or m.content))
 
     # -- validation --------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 from abc import ABC, abstractmethod
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from session_runtime.protocols.canonical import ChatRequest, Msg, Reasoning, Reply
+from session_runtime.weak_memo import WeakMemo, WireMessage
 
 PASSTHROUGH_ENV = "SESSION_RUNTIME_REASONING_PASSTHROUGH"
 CHAT_PROTOCOLS = ("deepseek", "openai-chat")  # Chat Completions: one message shape, /chat/completions
@@ -129,6 +132,66 @@ class ChatProtocol(ABC):
     @abstractmethod
     def known_error(self, status: int, body: dict) -> Optional[str]:
         """Our name for a provider error this protocol documents, else None."""
+
+
+class MessagesHistory(ABC):
+    """A protocol whose body is a `messages` list that the lenient rule strips
+    message by message (Chat Completions, Anthropic): every message before a
+    boundary (`history_boundary`) loses its reasoning when `strips` says so,
+    the rest goes as it came. So a conversation's request can be built past
+    its last one (`proxy/outbound.py`, `_prepare_past`).
+
+    A conversation's history goes out at every step: the messages built from
+    stored ones (`WireMessage`) are parsed, stripped and rendered once each,
+    for as long as they live (`WeakMemo`); a client's own dicts every time."""
+
+    @abstractmethod
+    def parse_message(self, m: Any, path: str) -> Msg: ...
+
+    @abstractmethod
+    def render_message(self, msg: Msg) -> dict: ...
+
+    @abstractmethod
+    def history_boundary(self, messages: tuple[Msg, ...], options: StripOptions) -> Optional[int]:
+        """The index before which messages are history (stripped by `strips`),
+        or None when the request goes out by another rule (it is then stripped whole)."""
+
+    @staticmethod
+    @abstractmethod
+    def strips(m: Msg, options: StripOptions) -> bool:
+        """Whether `m`, a history message, loses its reasoning."""
+
+    @functools.cached_property
+    def _memos(self) -> tuple[WeakMemo, WeakMemo, WeakMemo]:
+        return WeakMemo(), WeakMemo(), WeakMemo()  # parse, without_reasoning, render
+
+    def _parse_known(self, m: Any, path: str) -> Msg:
+        if type(m) is not WireMessage:
+            return self.parse_message(m, path)
+        return self._memos[0].get(m, lambda m: self.parse_message(m, path))
+
+    def _render_known(self, msg: Msg) -> dict:
+        return self._memos[2].get(msg, self.render_message)
+
+    def without_reasoning(self, msg: Msg) -> Msg:
+        """The message with its reasoning removed, everything else as it was."""
+        return self._memos[1].get(msg, self._without_reasoning)
+
+    def _without_reasoning(self, msg: Msg) -> Msg:
+        return dataclasses.replace(msg, reasoning=None)
+
+    def strip_history(self, req: ChatRequest, messages: tuple[Msg, ...], boundary: int, options: StripOptions,
+                      rewritten: tuple[int, ...] = ()) -> StripResult:
+        """The lenient result: each message before `boundary` that `strips` says
+        loses its reasoning; the rest keeps everything."""
+        out = list(messages)
+        removed: dict[int, tuple[Reasoning, ...]] = {}
+        for i in range(max(boundary, 0)):
+            m = messages[i]
+            if self.strips(m, options):
+                out[i] = self.without_reasoning(m)
+                removed[i] = m.reasoning
+        return strip_result(dataclasses.replace(req, messages=tuple(out)), removed, rewritten)
 
 
 # -- helpers ---------------------------------------------------------------

@@ -8,22 +8,20 @@ in their outbound and validation rules, which live in their own modules.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Optional
 
 from session_runtime.protocols.base import (
-    ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, dig,
+    ChatProtocol, MessagesHistory, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, dig,
     expect_list, expect_object, expect_str, is_int, last_index, openai_error, parse_messages_request,
-    render_messages_request, strip_result,
+    render_messages_request,
 )
 from session_runtime.protocols.canonical import ROLES, Call, ChatRequest, Msg, Reasoning, Reply, Usage, reasoning_text
-from session_runtime.weak_memo import WeakMemo, WireMessage
 
 _MODELLED = ("role", "content", "tool_calls", "tool_call_id")
 
 
-class ChatCompletions(ChatProtocol):
+class ChatCompletions(MessagesHistory, ChatProtocol):
     """Chat Completions: the parsing, rendering and lenient stripping both
     chat adapters share. Subclasses name their reasoning fields (the first is
     the one a hand-built message is rendered with) and cached-token fields."""
@@ -39,22 +37,6 @@ class ChatCompletions(ChatProtocol):
 
     def render_request(self, req: ChatRequest) -> dict:
         return render_messages_request(req, self._render_known)
-
-    # A conversation's history goes out at every step: the messages built from
-    # stored ones (`WireMessage`) are parsed, stripped and rendered once each,
-    # for as long as they live (`WeakMemo`); a client's own dicts every time.
-
-    @functools.cached_property
-    def _memos(self) -> tuple[WeakMemo, WeakMemo, WeakMemo]:
-        return WeakMemo(), WeakMemo(), WeakMemo()  # parse, without_reasoning, render
-
-    def _parse_known(self, m: Any, path: str) -> Msg:
-        if type(m) is not WireMessage:
-            return self.parse_message(m, path)
-        return self._memos[0].get(m, lambda m: self.parse_message(m, path))
-
-    def _render_known(self, msg: Msg) -> dict:
-        return self._memos[2].get(msg, self.render_message)
 
     # -- messages ----------------------------------------------------------
 
@@ -120,11 +102,7 @@ class ChatCompletions(ChatProtocol):
         values.update((k, clone(v)) for k, v in msg.extra.items())
         return arrange(values, msg.layout)
 
-    def without_reasoning(self, msg: Msg) -> Msg:
-        """The message with its reasoning fields removed, everything else as it was."""
-        return self._memos[1].get(msg, self._without_reasoning)
-
-    def _without_reasoning(self, msg: Msg) -> Msg:
+    def _without_reasoning(self, msg: Msg) -> Msg:  # its reasoning fields too
         extra = {k: v for k, v in msg.extra.items() if not (k in self.reasoning_fields and isinstance(v, str))}
         return dataclasses.replace(msg, reasoning=None, extra=extra)
 
@@ -208,15 +186,7 @@ class ChatCompletions(ChatProtocol):
         """Every assistant message before the last user message loses its
         reasoning (with `keep_tool_turns`, those that made tool calls keep it);
         the open tool chain after it keeps everything."""
-        boundary = last_index(messages, "user")
-        out = list(messages)
-        removed: dict[int, tuple[Reasoning, ...]] = {}
-        for i in range(max(boundary, 0)):
-            m = messages[i]
-            if self.strips(m, options):
-                out[i] = self.without_reasoning(m)
-                removed[i] = m.reasoning
-        return strip_result(dataclasses.replace(req, messages=tuple(out)), removed, rewritten)
+        return self.strip_history(req, messages, last_index(messages, "user"), options, rewritten)
 
     @staticmethod
     def strips(m: Msg, options: StripOptions) -> bool:
@@ -226,6 +196,10 @@ class ChatCompletions(ChatProtocol):
     def strict(self, messages: tuple[Msg, ...]) -> bool:
         """Whether a history's shape demands that every reasoning block goes back (none here)."""
         return False
+
+    def history_boundary(self, messages: tuple[Msg, ...], options: StripOptions) -> Optional[int]:
+        """The last user message (None for a strict shape: stripped whole)."""
+        return None if self.strict(messages) else max(last_index(messages, "user"), 0)
 
     # -- validation --------------------------------------------------------
 

@@ -19,10 +19,9 @@ from typing import Callable, Optional
 from session_runtime.errors import InvalidRequest, UpstreamError, UpstreamUnavailable
 from session_runtime.protocols import get_protocol
 from session_runtime.protocols.base import (
-    ProtocolInputError, StripOptions, error_message, last_index, parse_messages_request, render_messages_request,
+    MessagesHistory, ProtocolInputError, StripOptions, error_message, parse_messages_request, render_messages_request,
 )
 from session_runtime.protocols.canonical import ChatRequest, Msg, Reply, reasoning_text
-from session_runtime.protocols.chat import ChatCompletions
 from session_runtime.proxy.client import UpstreamClient
 from session_runtime.proxy.prefix import OutboundPrefix
 from session_runtime.weak_memo import WeakMemo
@@ -95,7 +94,7 @@ class Outbound:
     def _prepare(self, body: dict, prefix: Optional[OutboundPrefix]) -> tuple[dict, StripAccount, Optional[bytes]]:
         """`prepare`, and the body's JSON when it was written from its messages' own (else None)."""
         try:
-            if prefix is not None and isinstance(self.protocol, ChatCompletions) and not self.options.passthrough:
+            if prefix is not None and isinstance(self.protocol, MessagesHistory) and not self.options.passthrough:
                 prepared = self._prepare_past(prefix, body)
                 if prepared is not None:
                     return prepared
@@ -109,18 +108,19 @@ class Outbound:
         return sent, self._account(request, result), None
 
     def _prepare_past(self, prefix: OutboundPrefix, body: dict) -> Optional[tuple[dict, StripAccount, bytes]]:
-        """`_prepare` for a Chat Completions body by the lenient rule, working only
-        past the conversation's last request: each message is parsed, stripped
-        (when it is before the last user message), rendered, counted and written
-        as JSON once, and again only when the boundary passes it. None for a
-        strict shape (sent as a whole)."""
+        """`_prepare` for a `messages` body (Chat Completions, Anthropic) by the
+        lenient rule, working only past the conversation's last request: each
+        message is parsed, stripped (when it is before the protocol's history
+        boundary), rendered, counted and written as JSON once, and again only
+        when the boundary passes it. None for a shape stripped by another rule
+        (DeepSeek's strict one: sent as a whole)."""
         p = self.protocol
         request = parse_messages_request(body, None, lambda items: prefix.parsed.map(
             items, lambda i, m: p._parse_known(m, f"messages[{i}]")))
         messages = request.messages
-        if p.strict(messages):
+        boundary = p.history_boundary(messages, self.options)
+        if boundary is None:
             return None
-        boundary = max(last_index(messages, "user"), 0)
         figures = prefix.sent.map(messages, lambda i, m: self._figures(m, i < boundary),
                                   start=min(prefix.sent.tag or 0, boundary), tag=boundary)
         sent = render_messages_request(request, None, [f[0] for f in figures])
@@ -140,7 +140,7 @@ class Outbound:
         """One message of a request: (its form on the wire, its tokens, its
         reasoning tokens, 1 if stripped, the stripped tokens, the stripped bytes,
         its JSON) -- stripped by the lenient rule when it is `history` (before the
-        last user message), as `ChatCompletions.strip_lenient` and `strip_result` do."""
+        boundary), as `MessagesHistory.strip_history` and `strip_result` do."""
         p = self.protocol
         tokens, reasoning = self._counted.get(m, self._message_tokens)
         stripped, text = history and p.strips(m, self.options), ""

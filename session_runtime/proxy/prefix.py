@@ -53,16 +53,18 @@ class PrefixMap:
 
 
 class OutboundPrefix:
-    """One conversation's outbound stages (Chat Completions protocols):
-    stored message -> wire message (`transcript.py`), wire message -> parsed
+    """One conversation's outbound stages (Chat Completions and Anthropic):
+    stored message -> wire message (`transcript.py`; `joined`: Anthropic's,
+    where a run of tool results is one message), wire message -> parsed
     message, parsed message -> what goes out and its counts (`outbound.py`).
-    The `sent` map's tag is the last user message's index of the last request:
-    the messages before it were stripped as history."""
+    The `sent` map's tag is the history boundary of the last request: the
+    messages before it were stripped as history."""
 
-    __slots__ = ("wire", "parsed", "sent", "_system")
+    __slots__ = ("wire", "parsed", "sent", "joined", "_system")
 
     def __init__(self) -> None:
         self.wire, self.parsed, self.sent = PrefixMap(), PrefixMap(), PrefixMap()
+        self.joined: Optional[tuple] = None  # (stored messages, their pieces, wire messages, owner, first)
         self._system: Optional[tuple[str, Any]] = None
 
     def system_message(self, text: str, build: Callable[[str], Any]) -> Any:

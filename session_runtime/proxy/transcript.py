@@ -20,6 +20,7 @@ from session_runtime.protocols.anthropic import thinking_enabled
 from session_runtime.protocols.base import CHAT_PROTOCOLS  # a client's "chat" wire goes to either as it is
 from session_runtime.protocols.canonical import Reply, reasoning_text
 from session_runtime.proxy.prefix import OutboundPrefix
+from session_runtime.sequences import first_difference
 from session_runtime.templates.base import Message, ToolCall, tool_schema
 from session_runtime.weak_memo import WeakMemo, WireMessage
 
@@ -52,11 +53,12 @@ def request_body(protocol: str, system: Optional[str], tools: Sequence[dict], me
     """The request body of `protocol` for a conversation (reasoning included).
     `params` are top-level fields (model, max_tokens, temperature, ...) in that
     protocol's names. `prefix`: the conversation's last request (Chat
-    Completions protocols), so that only messages past it are built."""
+    Completions and Anthropic), so that only messages past it are built."""
     if protocol in CHAT_PROTOCOLS:
         return _chat(protocol, system, list(tools), messages, dict(params), prefix)
-    build = {"anthropic": _anthropic, "openai-responses": _responses}
-    return build[protocol](protocol, system, list(tools), list(messages), dict(params))
+    if protocol == "anthropic":
+        return _anthropic(protocol, system, list(tools), messages, dict(params), prefix)
+    return _responses(protocol, system, list(tools), list(messages), dict(params))
 
 
 _CHAT_WIRE = {name: WeakMemo() for name in CHAT_PROTOCOLS}
@@ -94,26 +96,21 @@ def _chat_message(protocol: str, m: Message) -> WireMessage:
     return WireMessage(wire)
 
 
-def _anthropic(protocol, system, tools, messages, params) -> dict:
-    out: list[dict] = []
-    for m in messages:
-        if m.role == "user":
-            out.append({"role": "user", "content": m.content})
-        elif m.role == "tool":  # a run of results is one user message of tool_result blocks
-            block = {"type": "tool_result", "tool_use_id": m.tool_call_id, "content": m.content}
-            if out and out[-1]["role"] == "user" and isinstance(out[-1]["content"], list) and all(
-                    b.get("type") == "tool_result" for b in out[-1]["content"]):
-                out[-1]["content"].append(block)
-            else:
-                out.append({"role": "user", "content": [block]})
-        else:
-            wire = wire_of(protocol, m)
-            if wire is None:  # thinking without its signature cannot go back: text and calls only
-                blocks = [{"type": "text", "text": m.content}] if m.content else []
-                blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in m.tool_calls]
-                wire = {"role": "assistant", "content": blocks}
-            if wire["content"]:  # Anthropic refuses an empty message (its own empty end_turn answer included)
-                out.append(wire)
+_ANTHROPIC_PIECE = WeakMemo()
+
+
+def _anthropic(protocol, system, tools, messages, params, prefix: Optional[OutboundPrefix] = None) -> dict:
+    """Anthropic Messages: a stored message is one wire message, a run of tool
+    results one user message of tool_result blocks (`_join`), an empty
+    assistant message none. Each stored message's part is built once for as
+    long as it lives; with the conversation's `prefix`, only the wire messages
+    from the one the first new or changed stored message falls in are joined again."""
+    pieces = functools.partial(_anthropic_piece, protocol)
+    if prefix is None:
+        out: list = []
+        _join([_ANTHROPIC_PIECE.get(m, pieces) for m in messages], 0, out, [], [])
+    else:
+        out = list(_joined(prefix, messages, lambda m: _ANTHROPIC_PIECE.get(m, pieces)))
     body = {**params, "messages": out}
     body.setdefault("max_tokens", 1024)  # Anthropic requires it
     if thinking_enabled(body):  # thinking refuses any temperature but 1 and a top_p below 0.95
@@ -127,6 +124,65 @@ def _anthropic(protocol, system, tools, messages, params) -> dict:
         body["tools"] = [{"name": f["name"], "description": f.get("description", ""),
                           "input_schema": f.get("parameters", {"type": "object"})} for f in map(tool_schema, tools)]
     return body
+
+
+def _anthropic_piece(protocol: str, m: Message):
+    """What one stored message adds to an Anthropic body: a message, a
+    tool_result block (("result", block): joined with the run it is in), or
+    None (an empty assistant message: Anthropic refuses one)."""
+    if m.role == "user":
+        return WireMessage(role="user", content=m.content)
+    if m.role == "tool":
+        return ("result", {"type": "tool_result", "tool_use_id": m.tool_call_id, "content": m.content})
+    wire = wire_of(protocol, m)
+    if wire is None:  # thinking without its signature cannot go back: text and calls only
+        blocks = [{"type": "text", "text": m.content}] if m.content else []
+        blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in m.tool_calls]
+        wire = {"role": "assistant", "content": blocks}
+    return WireMessage(wire) if wire["content"] else None  # its own empty end_turn answer included
+
+
+def _results(msg: dict) -> bool:
+    return msg["role"] == "user" and isinstance(msg["content"], list) and all(
+        b.get("type") == "tool_result" for b in msg["content"])
+
+
+def _join(pieces: Sequence, start: int, out: list, owner: list, first: list) -> None:
+    """Append to `out` the wire messages of `pieces[start:]`: a tool_result
+    block joins the user message of results before it (a new message object:
+    one already sent is never changed). `owner[i]`: the message piece i is in
+    (or, for None, the one before it); `first[j]`: message j's first piece."""
+    for i in range(start, len(pieces)):
+        piece = pieces[i]
+        if type(piece) is tuple:
+            block = piece[1]
+            if out and _results(out[-1]):
+                out[-1] = WireMessage(role="user", content=[*out[-1]["content"], block])
+            else:
+                out.append(WireMessage(role="user", content=[block]))
+                first.append(i)
+        elif piece is not None:
+            out.append(piece)
+            first.append(i)
+        owner.append(len(out) - 1)
+
+
+def _joined(prefix: OutboundPrefix, messages: Sequence[Message], piece) -> list:
+    """`_join` of the stored messages' pieces, past the last request's: from
+    the wire message the first new or changed stored message falls in (a
+    stored message appended at the end extends the last one, if it joins it)."""
+    last, pieces, out, owner, first = prefix.joined or ([], [], [], [], [])
+    k = first_difference(last, messages)
+    pieces = pieces[:k] + [piece(m) for m in messages[k:]]
+    if k < len(last):  # changed (or gone) from k: again from the message piece k fell in
+        j = owner[k] if k < len(owner) else -1
+        start = first[j] if j >= 0 else 0
+        out, owner, first = out[:max(j, 0)], owner[:start], first[:max(j, 0)]
+    else:
+        out, owner, first, start = list(out), list(owner), list(first), k
+    _join(pieces, start, out, owner, first)
+    prefix.joined = (list(messages), pieces, out, owner, first)
+    return out
 
 
 def _responses(protocol, system, tools, messages, params) -> dict:
