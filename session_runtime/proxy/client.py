@@ -92,7 +92,10 @@ class UpstreamClient:
         except TransportError as exc:
             raise UpstreamUnavailable(f"the upstream {self.url} cannot be reached: {exc}") from None
         if encoding == "gzip":  # asked for none (identity), but a server may send it anyway
-            raw = gzip.decompress(raw)
+            try:
+                raw = gzip.decompress(raw)
+            except (OSError, EOFError) as exc:
+                raise UpstreamUnavailable(f"the upstream {self.url} sent a broken gzip body: {exc}") from None
         response = UpstreamResponse(status, _body(raw), (time.perf_counter() - t0) * 1e3, request_id)
         if status >= 500:
             raise UpstreamUnavailable(f"the upstream {self.url} failed with {status}",

@@ -160,6 +160,6 @@ class RoutedBackend(HoldsNoChain, SGLangBackend):
 
     def close(self) -> None:
         self.http.close()
-        self.steps.close()
+        self.step_http.close()
         if self.router is not None:
             self.router.stop()
