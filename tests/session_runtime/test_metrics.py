@@ -215,3 +215,19 @@ def test_many_sglang_workers_label_each_pool_and_skip_a_dead_one():
     finally:
         pool.close()
 
+
+
+def test_accounting_as_dict_is_asdict_and_shares_nothing():
+    """A step's accounting as its response carries it: every field, as
+    `dataclasses.asdict` gives it, nested values copied (a caller that changes
+    the dict changes nothing of the step)."""
+    acc = StepAccounting(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1.0, 2.0, 3.0, 12, cache_state="prefix_only",
+                         counterfactual={"keep": {"prefill": 5, "pages": [1, 2]}, "drop": {"prefill": 9}},
+                         upstream={"usage": {"input": [1, 2]}}, uncached=[{"reason": "new_input", "tokens": 3}])
+    out = acc.as_dict()
+    assert out == dataclasses.asdict(acc) and list(out) == [f.name for f in dataclasses.fields(acc)]
+    out["counterfactual"]["keep"]["pages"].append(3)
+    out["uncached"][0]["tokens"] = 0
+    out["upstream"]["usage"]["input"].clear()
+    assert acc.counterfactual["keep"]["pages"] == [1, 2] and acc.uncached[0]["tokens"] == 3
+    assert acc.upstream["usage"]["input"] == [1, 2]
