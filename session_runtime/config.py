@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from session_runtime.direct_http import check_url
+
 if TYPE_CHECKING:
     import torch
 
@@ -242,6 +244,13 @@ class RuntimeConfig:
             raise ValueError(f"upstream_timeout_s must be > 0, got {self.upstream_timeout_s}")
         if self.sglang_url is not None and self.backend != "sglang":
             raise ValueError("sglang_url needs backend 'sglang'")
+        for name, url in (("upstream_url", self.upstream_url), ("router_url", self.router_url),
+                          *(("sglang_url", u) for u in self.sglang_urls)):
+            if url:
+                try:
+                    check_url(url)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         if self.workers is not None and (self.workers < 0 or self.backend != "sglang"):
             raise ValueError("workers must be >= 0, with backend 'sglang'")
         if not 0 <= self.chain_lease_s <= 86400:

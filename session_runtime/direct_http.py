@@ -104,12 +104,7 @@ class DirectPool:
 
     def __init__(self, base_url: str, headers: Optional[dict] = None, timeout_s: float = 600.0,
                  connect_s: float = 10.0, max_idle: int = 64):
-        url = urllib.parse.urlsplit(base_url)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"not an http(s) URL: {base_url!r}")
-        self.scheme, self.host = url.scheme, url.hostname
-        self.port = url.port or (443 if url.scheme == "https" else 80)
-        self.base_path = url.path.rstrip("/")
+        self.scheme, self.host, self.port, self.base_path = check_url(base_url)
         self.headers = dict(headers or {})
         self.timeout_s, self.connect_s, self.max_idle = timeout_s, connect_s, max_idle
         self.proxy = proxy_for(base_url)
@@ -197,6 +192,19 @@ class DirectPool:
                 cafile = certifi.where()
             self._ssl = ssl.create_default_context(cafile=cafile)
         return self._ssl
+
+
+def check_url(url: str) -> tuple[str, str, int, str]:
+    """(scheme, host, port, path without its trailing /) of an http(s) base URL.
+    Raises ValueError naming what is wrong (the flags' check at start uses it)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise ValueError(f"{url!r}: the port is not a number from 0 to 65535") from None
+    return parts.scheme, parts.hostname, port, parts.path.rstrip("/")
 
 
 def proxy_for(url: str) -> Optional[str]:

@@ -40,6 +40,12 @@ def test_upstream_sets_the_upstream_backend_and_its_flags():
     (["--upstream", URL, "--validate", "deepseek"], "--validate answers with the local engine: it does not go "
                                                     "with --upstream"),
     (["--backend", "upstream"], "--backend upstream needs --upstream URL"),
+    (["--upstream", "ftp://api.example"], "upstream_url: 'ftp://api.example' is not an http:// or https:// URL "
+                                          "with a host"),
+    (["--upstream", "http://api.example:port/v1"], "upstream_url: 'http://api.example:port/v1': the port is not a "
+                                                   "number from 0 to 65535"),
+    (["--backend", "sglang", "--sglang-url", "localhost:30000"], "sglang_url: 'localhost:30000' is not an http:// "
+                                                                 "or https:// URL with a host"),
 ])
 def test_flags_that_do_not_go_together_are_refused(flags, message, capsys):
     with pytest.raises(ValueError) as e:
