@@ -40,10 +40,19 @@ class StepAccounting:
     def as_dict(self) -> dict:
         """Every field; nested dicts and lists copied, as `dataclasses.asdict`
         would (which costs ~5x as much: it is on every step's response)."""
-        return {name: clone(getattr(self, name)) for name in _FIELDS}
+        return plain_dict(self)
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(StepAccounting))
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def plain_dict(obj) -> dict:
+    """`dataclasses.asdict` of a dataclass whose fields hold plain values (not
+    dataclasses): every field, nested dicts and lists copied, at a fifth of the cost."""
+    names = _NAMES.get(type(obj))
+    if names is None:
+        names = _NAMES.setdefault(type(obj), tuple(f.name for f in dataclasses.fields(obj)))
+    return {name: clone(getattr(obj, name)) for name in names}
 
 
 def attention_work(prefilled: int, reused: int) -> int:

@@ -98,7 +98,13 @@ class Materializer:
     def user_exit(self) -> None:
         with self.cond:
             self.waiting_users -= 1
-            self.cond.notify_all()
+            # The worker waits only for this (or a submit): wake it only when it has work to start now,
+            # not after every user step (a wake-up and a GIL hand-off each).
+            if self.waiting_users == 0 and self._any_pending():
+                self.cond.notify_all()
+
+    def _any_pending(self) -> bool:
+        return any(j.state == "pending" for j in self.jobs.values())
 
     @property
     def idle(self) -> bool:
@@ -123,7 +129,7 @@ class Materializer:
             with self.cond:
                 # Lower priority than any user request: wait while one is queued.
                 while not self._stop and (
-                    self.waiting_users > 0 or not any(j.state == "pending" for j in self.jobs.values())
+                    self.waiting_users > 0 or not self._any_pending()
                 ):
                     self.cond.wait(timeout=0.5)
                 if self._stop:

@@ -25,6 +25,7 @@ from session_runtime.api.auth import AccessLog, Authenticate, CheckHost, current
 from session_runtime.api.content_type import JsonBodies
 from session_runtime.api.errors import ApiError, InternalErrors, error_response
 from session_runtime.api.forward import Forward
+from session_runtime.api.lean_route import lean_post
 from session_runtime.api.limits import BodyLimit
 from session_runtime.api.openai_compat import build_router
 from session_runtime.api.protocol_routes import build_protocol_routes
@@ -156,12 +157,13 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
                                           on_late_error=metrics.record_error), media_type="text/event-stream")
 
     # A step's client that disconnects, plain or streamed, cancels it (`cancellable`).
-    @app.post("/v1/conversations/{cid}/messages")
+    # The step routes' requests are read by a lean handler (api/lean_route.py: FastAPI's answers, less CPU).
+    @lean_post(app, "/v1/conversations/{cid}/messages")
     async def message(cid: str, body: SendMessage, request: Request, caller: Caller = Depends(current_caller)):
         return await cancellable(request, lambda cancel: respond(
             runtime.send_message, cid, body.content, body, caller, cancel))
 
-    @app.post("/v1/conversations/{cid}/tool_results")
+    @lean_post(app, "/v1/conversations/{cid}/tool_results")
     async def tool_results(cid: str, body: SendToolResults, request: Request, caller: Caller = Depends(current_caller)):
         return await cancellable(request, lambda cancel: respond(
             runtime.send_tool_results, cid, [r.model_dump() for r in body.results], body, caller, cancel))

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Callable, Optional
 
+from session_runtime.accounting import plain_dict
 from session_runtime.errors import InvalidRequest, UpstreamError, UpstreamUnavailable
 from session_runtime.protocols import get_protocol
 from session_runtime.protocols.base import (
@@ -57,7 +58,7 @@ class StripAccount:
         return self.sent_reasoning_tokens / self.sent_tokens if self.sent_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "reasoning_share": round(self.reasoning_share, 4),
+        return {**plain_dict(self), "reasoning_share": round(self.reasoning_share, 4),
                 "sent_reasoning_share": round(self.sent_reasoning_share, 4)}
 
 

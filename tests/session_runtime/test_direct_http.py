@@ -5,14 +5,16 @@ unblocked from another thread, clear errors, and the environment's proxy."""
 
 from __future__ import annotations
 
+import http.client
 import http.server
+import io
 import socket
 import threading
 import time
 
 import pytest
 
-from session_runtime.direct_http import DirectPool, TransportError, proxy_for
+from session_runtime.direct_http import DirectPool, TransportError, _headers, proxy_for
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -153,3 +155,23 @@ def test_the_environments_proxy_is_used_as_httpx_would(server, monkeypatch):
     line, headers, _, _ = server.seen[-1]
     assert line == "POST http://sglang.internal:30000/generate HTTP/1.1"
     assert headers["Proxy-Authorization"] == "Basic dXNlcjpwQHNz"  # user:p@ss
+
+
+@pytest.mark.parametrize("block", [
+    b"content-type: application/json\r\ncontent-length: 456\r\n\r\n",
+    b"Set-Cookie: a=1\r\nSet-Cookie: b=2\r\nX-Empty:\r\nX-Spaces:    padded   \r\nA:b:c\r\n\r\n",
+    b"Transfer-Encoding: chunked\nConnection: close\n\n",
+    b"\r\n",
+])
+def test_headers_are_read_as_the_standard_library_reads_them(block):
+    """The pool's header reader (without `email`'s parser) against http.client.parse_headers."""
+    ours, theirs = _headers(io.BytesIO(block)), http.client.parse_headers(io.BytesIO(block))
+    assert ours.items() == theirs.items()
+    assert ours.get_all("set-cookie") == theirs.get_all("set-cookie")
+
+
+def test_a_folded_header_is_joined_and_a_bad_line_skipped():
+    ours = _headers(io.BytesIO(b"X-Folded: first\r\n  second\r\n\tthird\r\nnot a header\r\nOther: y\r\n\r\n"))
+    assert ours.items() == [("X-Folded", "first second third"), ("Other", "y")]
+    with pytest.raises(http.client.HTTPException):  # the standard library's bound on their count
+        _headers(io.BytesIO(b"".join(b"H%d: v\r\n" % i for i in range(200)) + b"\r\n"))

@@ -231,3 +231,14 @@ def test_accounting_as_dict_is_asdict_and_shares_nothing():
     out["upstream"]["usage"]["input"].clear()
     assert acc.counterfactual["keep"]["pages"] == [1, 2] and acc.uncached[0]["tokens"] == 3
     assert acc.upstream["usage"]["input"] == [1, 2]
+
+
+def test_a_strip_account_as_dict_is_asdict_and_its_shares():
+    from session_runtime.proxy.outbound import StripAccount
+
+    names = [f.name for f in dataclasses.fields(StripAccount)]
+    account = StripAccount("chat", "lenient", True, *range(3, 3 + len(names) - 3))
+    out = account.as_dict()
+    assert out == {**dataclasses.asdict(account), "reasoning_share": round(account.reasoning_share, 4),
+                   "sent_reasoning_share": round(account.sent_reasoning_share, 4)}
+    assert list(out)[:len(names)] == names

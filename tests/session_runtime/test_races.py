@@ -3,6 +3,9 @@ the locks allow (a hook runs one thread's work inside another's window)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from session_runtime import Runtime, RuntimeConfig
@@ -157,3 +160,46 @@ def test_a_rejected_request_keeps_the_tool_wait_and_the_pending_branch(rt):
     assert rt.materializer.jobs[x].state == "pending"  # cancelled by the claim, scheduled again
     assert rt.materializer.run_pending() == 1
     rt.check_integrity()
+
+
+class _Recorder:
+    """The backend's step, as the materializer's worker calls it: records who ran."""
+
+    def __init__(self):
+        self.ran = threading.Event()
+
+    def step(self, request):
+        from types import SimpleNamespace
+
+        self.ran.set()
+        return SimpleNamespace(accounting=SimpleNamespace(uncached_prefill_tokens=0))
+
+
+def test_the_materializer_wakes_after_a_user_step_only_for_work():
+    """A job queued behind a user step is woken for as that step ends (not left
+    to the worker's half-second poll); a user step with no job queued wakes
+    nobody (a wake-up is a GIL hand-off, on every step)."""
+    from radix_ext.tree import Namespace
+    from session_runtime.materializer import Materializer
+
+    backend = _Recorder()
+    m = Materializer(backend)
+    try:
+        wakes = []
+        notify = m.cond.notify_all
+        m.cond.notify_all = lambda: (wakes.append(1), notify())
+        for _ in range(20):
+            m.user_enter()
+            m.user_exit()
+        assert wakes == []
+        m.user_enter()
+        m.submit("c", [1, 2, 3], Namespace())
+        assert wakes == [1]
+        time.sleep(0.1)
+        assert not backend.ran.is_set()  # a user step is in: the job waits
+        m.user_exit()
+        assert wakes == [1, 1]
+        assert backend.ran.wait(5)
+        assert m.wait_idle(5)
+    finally:
+        m.close()
