@@ -15,7 +15,9 @@ HTTP by client threads here.
 - `throughput`: C clients each running 20-turn conversations back to back for
   `--duration` s; steps/s at each C, the median of `--rounds` windows
   alternated between the servers (target: 3x the 90 steps/s measured before
-  this work, at each C).
+  this work, at each C). Beside it the runtime processes' CPU per step (all
+  threads, from /proc): steadier than steps/s on a shared machine, and what
+  bounds one process (one GIL).
 
 With `--baseline REV` the same runs go against that commit's runtime too (a
 git worktree, the same venv), alternated with this checkout's in one run. With
@@ -116,6 +118,11 @@ class Served:
                 time.sleep(0.5)
         raise RuntimeError(f"{name}: the runtime did not start; see {self.data}/log")
 
+    def cpu_s(self) -> float:
+        """The process's CPU seconds so far (user + system, every thread)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
@@ -177,14 +184,16 @@ def throughput(served, clients: int, duration: float, turns: int = 20) -> dict:
                     step(c, cid)
                     counts[i] += 1
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), sum(s.cpu_s() for s in fleet)
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"steps": sum(counts), "seconds": round(time.perf_counter() - t0, 2),
-            "steps_per_s": round(sum(counts) / (time.perf_counter() - t0), 1)}
+    steps, cpu = sum(counts), sum(s.cpu_s() for s in fleet) - cpu0
+    return {"steps": steps, "seconds": round(time.perf_counter() - t0, 2),
+            "steps_per_s": round(steps / (time.perf_counter() - t0), 1),
+            "server_cpu_ms_per_step": round(cpu / max(steps, 1) * 1e3, 3)}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -263,7 +272,8 @@ def main() -> None:
             for name, ws in windows.items():
                 rates = [w["steps_per_s"] for w in ws]
                 runs.setdefault(name, {"throughput": {}})["throughput"][str(c)] = {
-                    "steps_per_s": statistics.median(rates), "windows": rates, "steps": sum(w["steps"] for w in ws)}
+                    "steps_per_s": statistics.median(rates), "windows": rates, "steps": sum(w["steps"] for w in ws),
+                    "server_cpu_ms_per_step": statistics.median(w["server_cpu_ms_per_step"] for w in ws)}
                 print(name, c, runs[name]["throughput"][str(c)], flush=True)
     finally:
         for s in [*servers.values(), *(p for f in fleets.values() for p in f)]:
