@@ -22,8 +22,8 @@ HTTP by client threads here.
 With `--baseline REV` the same runs go against that commit's runtime too (a
 git worktree, the same venv), alternated with this checkout's in one run. With
 `--fleet`, one and two processes of this checkout over one PostgreSQL store (a
-server started here from Debian's package, tests/postgres.py) join the
-throughput levels; agent i talks to process i mod 2, as a round-robin reverse
+server started here from Debian's package, tests/postgres.py) are measured
+after the SQLite servers, alternated between themselves; agent i talks to process i mod 2, as a round-robin reverse
 proxy would send it (target: two processes at least 1.7x one).
 """
 
@@ -263,18 +263,22 @@ def main() -> None:
             for n in (1, 2):
                 store = ("--store", postgres.new_database())
                 fleets[f"postgresql x{n}"] = [Served(ROOT, upstream, f"pg{n}-{i}", *store) for i in range(n)]
-        levels = {**servers, **fleets}
-        for c in [int(x) for x in args.concurrency.split(",")] if args.concurrency != "none" else ():
-            windows: dict = {name: [] for name in levels}
-            for _ in range(args.rounds):  # alternated window by window: a noisy minute hits every server alike
-                for name, s in levels.items():
-                    windows[name].append(throughput(s, c, args.duration))
-            for name, ws in windows.items():
-                rates = [w["steps_per_s"] for w in ws]
-                runs.setdefault(name, {"throughput": {}})["throughput"][str(c)] = {
-                    "steps_per_s": statistics.median(rates), "windows": rates, "steps": sum(w["steps"] for w in ws),
-                    "server_cpu_ms_per_step": statistics.median(w["server_cpu_ms_per_step"] for w in ws)}
-                print(name, c, runs[name]["throughput"][str(c)], flush=True)
+        # SQLite's servers first, then PostgreSQL's: each group alternated window by window within
+        # itself (PostgreSQL's own background work after a window of writes lands on its group only).
+        clients = [int(x) for x in args.concurrency.split(",")] if args.concurrency != "none" else []
+        for group in (servers, fleets):
+            for c in clients:
+                windows: dict = {name: [] for name in group}
+                for _ in range(args.rounds):  # a noisy minute hits every server of the group alike
+                    for name, s in group.items():
+                        windows[name].append(throughput(s, c, args.duration))
+                for name, ws in windows.items():
+                    rates = [w["steps_per_s"] for w in ws]
+                    runs.setdefault(name, {"throughput": {}})["throughput"][str(c)] = {
+                        "steps_per_s": statistics.median(rates), "windows": rates,
+                        "steps": sum(w["steps"] for w in ws),
+                        "server_cpu_ms_per_step": statistics.median(w["server_cpu_ms_per_step"] for w in ws)}
+                    print(name, c, runs[name]["throughput"][str(c)], flush=True)
     finally:
         for s in [*servers.values(), *(p for f in fleets.values() for p in f)]:
             s.close()

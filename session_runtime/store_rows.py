@@ -20,6 +20,7 @@ from session_runtime.accounting import StepAccounting
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
+from session_runtime.protocols.base import compact
 from session_runtime.templates.base import Message, ToolCall
 from session_runtime.uncached import Known
 
@@ -28,10 +29,6 @@ HISTORY, TRACE, TURN, STEP = 0, 1, 2, 3  # conv_rows.kind
 _TURN_FIELDS = tuple(f.name for f in dataclasses.fields(TurnRecord) if f.name != "steps")
 _STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepAccounting))
 _KNOWN_FIELDS = tuple(f.name for f in dataclasses.fields(Known))
-
-
-def _dumps(value) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def message_dict(m: Message) -> dict:
@@ -58,11 +55,11 @@ def message_of(d: dict) -> Message:
 
 
 def history_row(m: Message) -> str:
-    return _dumps(message_dict(m))
+    return compact(message_dict(m))
 
 
 def trace_row(e: TraceEntry) -> str:
-    return _dumps({"message": message_dict(e.message), "step": e.step, "finish_reason": e.finish_reason,
+    return compact({"message": message_dict(e.message), "step": e.step, "finish_reason": e.finish_reason,
                    "created_at": e.created_at})
 
 
@@ -71,16 +68,16 @@ def trace_of(d: dict) -> TraceEntry:
 
 
 def turn_row(t: TurnRecord) -> str:
-    return _dumps({name: getattr(t, name) for name in _TURN_FIELDS})
+    return compact({name: getattr(t, name) for name in _TURN_FIELDS})
 
 
 def step_row(s: StepAccounting) -> str:
-    return _dumps({name: getattr(s, name) for name in _STEP_FIELDS})
+    return compact({name: getattr(s, name) for name in _STEP_FIELDS})
 
 
 def head_row(conv: Conversation) -> str:
     """The settings: written when they change (a client's new system prompt or tools)."""
-    return _dumps({"system": conv.system, "tools": conv.tools, "template": conv.template,
+    return compact({"system": conv.system, "tools": conv.tools, "template": conv.template,
                    "policy": dataclasses.asdict(conv.policy), "materialize": dataclasses.asdict(conv.materialize),
                    "offload": dataclasses.asdict(conv.offload)})
 
@@ -94,7 +91,7 @@ def head_key(conv: Conversation) -> tuple:
 
 def state_row(conv: Conversation) -> str:
     p = conv.protocol
-    return _dumps({"version": conv.version, "protocol": None if p is None else {
+    return compact({"version": conv.version, "protocol": None if p is None else {
         "turn": p.turn, "pending_calls": [c.as_dict() for c in p.pending_calls],
         "generated_ids": list(p.generated_ids)}})
 
@@ -108,7 +105,7 @@ def protocol_of(p: Optional[dict]) -> Optional[ProtocolState]:
 def parked_row(conv: Conversation, boot: str) -> str:
     """What the runtime knew of the conversation's KV, for this process only (`boot`):
     its chain is still held by the backend while the conversation is out of memory."""
-    return _dumps({"boot": boot, "chain_tokens": list(conv.chain_tokens), "canonical_kind": conv.canonical_kind,
+    return compact({"boot": boot, "chain_tokens": list(conv.chain_tokens), "canonical_kind": conv.canonical_kind,
                    "shadows": {k: list(v) for k, v in conv.shadows.items()},
                    "known": {name: (list(v) if name == "sequence" else v)
                              for name in _KNOWN_FIELDS for v in [getattr(conv.known, name)]}})

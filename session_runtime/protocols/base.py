@@ -206,8 +206,13 @@ def clone(value: Any) -> Any:
     return value
 
 
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def compact(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """`json.dumps(value, ensure_ascii=False, separators=(",", ":"))`, by one encoder
+    (`json.dumps` with arguments builds an encoder per call: a step writes ~10 such texts)."""
+    return _COMPACT.encode(value)
 
 
 def parse_messages_request(body: Any, parse_message, parse_all=None) -> ChatRequest:
