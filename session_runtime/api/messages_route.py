@@ -38,6 +38,7 @@ from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable
 from session_runtime.api.token_count import prompt_tokens
+from session_runtime.api.lean_route import LeanRoute
 from session_runtime.errors import InvalidRequest
 from session_runtime.protocols import get_protocol
 from session_runtime.protocols.canonical import Call, Msg, Reasoning, Reply, reasoning_text
@@ -51,7 +52,7 @@ _TOOL_CHOICES = ("auto", "any", "tool", "none")
 def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
     """The two routes, answering through `chat_router.complete`; `validate`:
     the server answers as that provider (--validate), which takes its model names."""
-    router = APIRouter()
+    router = APIRouter(route_class=LeanRoute)  # the step routes' requests read lean (api/lean_route.py)
     adapter = get_protocol(PROTOCOL)
     as_provider = validate == PROTOCOL
     served = None if as_provider else model_id  # the provider's model names are taken as the chat route takes them

@@ -30,6 +30,7 @@ from session_runtime.api.errors import ModelNotFound, openai_body
 from session_runtime.api.proxy_routes import answerable, proxy_completion, request_body, validation_error
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable, sse_step
+from session_runtime.api.lean_route import LeanRoute
 from session_runtime import continuation
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest
 from session_runtime.protocols.base import CHAT_PROTOCOLS
@@ -130,7 +131,7 @@ def completion(step: Step, model: str, rid: str, decode: Callable[[list[int]], s
 
 def build_router(runtime: Runtime, record_step, record_error, validate: Optional[str] = None) -> APIRouter:
     """`validate`: check each chat request as that provider does first (--validate)."""
-    router = APIRouter()
+    router = APIRouter(route_class=LeanRoute)  # the step routes' requests read lean (api/lean_route.py)
     upstream = runtime.backend.name == "upstream"
     created = int(time.time())
 

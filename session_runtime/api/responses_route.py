@@ -58,6 +58,7 @@ from session_runtime.api.responses_store import ResponseStore, StoredResponse
 from session_runtime.api.responses_stream import ResponseEvents, translate
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable
+from session_runtime.api.lean_route import LeanRoute
 from session_runtime.errors import ConversationNotFound, InvalidRequest
 from session_runtime.protocols import get_protocol
 
@@ -116,7 +117,7 @@ class _Releasing(StreamingResponse):
 
 
 def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=LeanRoute)  # the step routes' requests read lean (api/lean_route.py)
     adapter = get_protocol(PROTOCOL)
     state = _Responses()
 

@@ -16,9 +16,11 @@ import pytest
 from fastapi import Depends, FastAPI, Request
 from starlette.testclient import TestClient
 
+from fastapi.routing import APIRoute
+
 from session_runtime.api import app as app_module
 from session_runtime.api.auth import current_caller
-from session_runtime.api.lean_route import LeanHandler, lean_post
+from session_runtime.api.lean_route import LeanHandler, LeanRoute, lean_post
 from session_runtime.api.schemas import SendMessage
 from tests.api.conftest import create
 
@@ -35,24 +37,30 @@ BAD_BODIES = [
 
 @pytest.fixture(scope="module")
 def both(live):
-    def plain_post(router, path, **kwargs):
-        return router.post(path, **kwargs)
-
+    """The app as served, and the same app with FastAPI's own handler on every route."""
     lean = TestClient(app_module.create_app(live.runtime), base_url="http://127.0.0.1")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(app_module, "lean_post", plain_post)
+        mp.setattr(LeanRoute, "get_route_handler", APIRoute.get_route_handler)
         fastapi_own = TestClient(app_module.create_app(live.runtime), base_url="http://127.0.0.1")
     return lean, fastapi_own
 
 
+def routes(router) -> list:
+    """Every route of a router, included routers' too (FastAPI 0.165 keeps them as `_IncludedRouter`)."""
+    found = []
+    for r in router.routes:
+        inner = getattr(r, "original_router", None)
+        found += routes(inner) if inner is not None else [r]
+    return found
+
+
 def test_the_step_routes_are_lean_and_the_others_are_not(both):
-    lean, fastapi_own = both
-    served = {r.path: type(r.app) for r in lean.app.router.routes if hasattr(r, "app")}
-    assert served["/v1/conversations/{cid}/messages"] is LeanHandler
-    assert served["/v1/conversations/{cid}/tool_results"] is LeanHandler
-    assert served["/v1/conversations"] is not LeanHandler
-    assert not any(type(r.app) is LeanHandler for r in fastapi_own.app.router.routes if hasattr(r, "app"))
-    assert lean.get("/openapi.json").json() == fastapi_own.get("/openapi.json").json()
+    lean = {r.path: r.lean for r in routes(both[0].app.router) if isinstance(r, LeanRoute)}
+    assert lean == {"/v1/conversations/{cid}/messages": True, "/v1/conversations/{cid}/tool_results": True,
+                    "/v1/chat/completions": True, "/v1/models": False, "/v1/models/{model:path}": False,
+                    "/v1/messages": True, "/v1/messages/count_tokens": True, "/v1/responses": True,
+                    "/v1/responses/{rid}": False}
+    assert both[0].get("/openapi.json").json() == both[1].get("/openapi.json").json()
 
 
 @pytest.mark.parametrize("kind", ["messages", "tool_results"])
@@ -88,7 +96,7 @@ def test_a_valid_step_is_answered_by_both(client, rt, both):
     assert len(client.get(f"/v1/conversations/{cid}").json()["turns"]) == 2
 
 
-def test_a_shape_it_does_not_serve_is_refused_when_built():
+def test_a_shape_it_does_not_serve_gets_fastapis_handler():
     app = FastAPI()
 
     async def query(cid: str, n: int = 0):
@@ -107,6 +115,39 @@ def test_a_shape_it_does_not_serve_is_refused_when_built():
         return None
 
     for endpoint, why in ((query, "query"), (plain, "async def"), (typed_path, "not a str"),
-                          (two_bodies, "one pydantic model"), (deeper, "dependency")):
+                          (two_bodies, "embedded body"), (deeper, "dependency")):
+        lean_post(app, "/x/{cid}")(endpoint)  # served by FastAPI's own handler
+        route = app.router.routes[-1]
+        assert isinstance(route, LeanRoute) and not route.lean
         with pytest.raises(ValueError, match=why):
-            lean_post(app, "/x/{cid}")(endpoint)
+            LeanHandler.of(route)
+
+
+PROTOCOL_BAD = [b'{"messages": ', b"[]", b"{}", b'{"messages": "x"}', b'{"messages": [], "max_tokens": "many"}',
+                b'{"model": 5, "messages": [{"role": "user", "content": "hi"}]}', b"\x91{}"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                                  "/v1/responses"])
+@pytest.mark.parametrize("body", PROTOCOL_BAD, ids=range(len(PROTOCOL_BAD)))
+def test_the_protocol_routes_answer_a_bad_body_as_fastapi(rt, both, path, body):
+    answers = [c.post(path, content=body, headers={"content-type": "application/json"}) for c in both]
+    assert answers[0].status_code == answers[1].status_code >= 400, answers[0].text
+    assert answers[0].json() == answers[1].json()
+
+
+def shape(value):
+    """A JSON value's structure: its keys and types, not its ids and texts."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(v) for v in value]
+    return type(value).__name__
+
+
+def test_a_chat_completion_is_answered_alike(rt, both):
+    body = {"messages": [{"role": "user", "content": "[lean-route] hello"}], "max_tokens": 2}
+    answers = [c.post("/v1/chat/completions", json=body) for c in both]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    assert answers[0].headers["content-type"] == answers[1].headers["content-type"]
+    assert shape(answers[0].json()) == shape(answers[1].json())
