@@ -151,3 +151,24 @@ def test_a_chat_completion_is_answered_alike(rt, both):
     assert [a.status_code for a in answers] == [200, 200], answers[0].text
     assert answers[0].headers["content-type"] == answers[1].headers["content-type"]
     assert shape(answers[0].json()) == shape(answers[1].json())
+
+
+def test_fastapis_dependency_solver_serves_only_the_routes_that_are_not_lean(live, monkeypatch):
+    """Served, not only shaped: on a lean route (an included router's too) FastAPI's solver never runs."""
+    import fastapi.routing
+
+    solved = []
+    solve = fastapi.routing.solve_dependencies
+
+    async def counted(*args, **kwargs):
+        solved.append(kwargs["request"].url.path)
+        return await solve(*args, **kwargs)
+
+    monkeypatch.setattr(fastapi.routing, "solve_dependencies", counted)
+    client = TestClient(app_module.create_app(live.runtime), base_url="http://127.0.0.1")
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/conversations/none/messages",
+                 "/v1/conversations/none/tool_results"):
+        assert client.post(path, content=b"{}", headers={"content-type": "application/json"}).status_code >= 400
+    assert solved == []
+    assert client.post("/v1/conversations", json={"system": "[lean-route] solver"}).status_code == 201
+    assert solved == ["/v1/conversations"]
