@@ -92,3 +92,74 @@ def test_launched_servers_sharing_a_cpu_get_their_share_of_threads():
 
     assert "OMP_NUM_THREADS" not in launch_env(replace(spec, threads=None), {})
     assert "OMP_NUM_THREADS" not in launch_env(replace(spec, device="cuda"), {})
+
+
+# A stand-in for SGLang's server process, as it behaves when its HTTP port is taken: uvicorn logs the
+# bind error and the process hangs in shutdown instead of exiting. On a free port it answers /health.
+_FAKE_SERVER = r"""
+import sys, time, http.server
+port = int(sys.argv[1])
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), http.server.BaseHTTPRequestHandler)
+except OSError as exc:
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): {exc}", flush=True)
+    time.sleep(600)
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("content-length", "0"); self.end_headers()
+server.RequestHandlerClass = Ok
+server.serve_forever()
+"""
+
+
+def test_a_port_taken_before_the_server_binds_it_is_tried_again_elsewhere(tmp_path, monkeypatch):
+    """The launcher picks a free port, and another process may take it before the
+    server binds it (SGLang's own servers pick theirs the same way): the server is
+    started again on another port at once, not waited for until the start timeout."""
+    import sys
+    import time
+    from dataclasses import dataclass
+
+    import httpx
+
+    from session_runtime.backends.sglang import launcher
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    ports = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(ports, None) or _free_port())
+
+    @dataclass
+    class Spec:
+        host: str = "127.0.0.1"
+        port: int = 0
+        log_path: str = str(tmp_path / "fake.log")
+        name: str = "the stand-in server"
+
+        def argv(self, port):
+            return [sys.executable, "-c", _FAKE_SERVER, str(port)]
+
+    def ready(url):
+        try:
+            return httpx.get(url, timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    t0 = time.monotonic()
+    server = launcher.launch(Spec(), ready, timeout_s=60, env={})
+    try:
+        assert time.monotonic() - t0 < 30  # not the start timeout
+        assert server.url != f"http://127.0.0.1:{taken.getsockname()[1]}" and ready(server.url)
+        assert "error while attempting to bind" in (tmp_path / "fake.log").read_text()  # the first try's
+    finally:
+        server.stop()
+        taken.close()
+    with pytest.raises(launcher.PortTaken, match="could not bind port"):  # a port the user named: no retry
+        blocker = socket.socket()
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen(1)
+        try:
+            launcher.launch(Spec(port=blocker.getsockname()[1]), ready, timeout_s=60, env={})
+        finally:
+            blocker.close()

@@ -95,6 +95,15 @@ class LaunchedServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def wrote_since(self, offset: int, text: str) -> bool:
+        """Whether the log holds `text` past byte `offset`."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return text.encode() in f.read()
+        except OSError:
+            return False
+
     def log_tail(self, lines: int = 25) -> str:
         try:
             text = Path(self.log_path).read_text(errors="replace")
@@ -176,6 +185,15 @@ def cpu_binding(ranks: int, cores: int) -> str:
     return "|".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+# uvicorn's line when the HTTP port it was given is taken: the server does not exit then, it hangs in shutdown.
+BIND_FAILED = "error while attempting to bind on address"
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(LaunchFailed):
+    """The server could not bind the port it was given."""
+
+
 def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn=None,
            env: Optional[dict] = None) -> LaunchedServer:
     """Start the server and wait until `ready(url)` returns True. `on_spawn` is
@@ -183,15 +201,28 @@ def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn
     stop it meanwhile (a runtime shutting down) can; a server stopped during
     start-up ends the wait. `spec` is a LaunchSpec, or anything with its `host`,
     `port`, `log_path` and `argv(port)` when `env` is given (the router's).
-    Raises LaunchFailed with the log's tail when the process exits, is stopped
-    or times out."""
-    port = spec.port or free_port(spec.host)
+    A port this function chose (none in the spec) can be taken by another
+    process between its choice and the server's bind (SGLang's own servers pick
+    theirs the same way): the server is started again on another, at most
+    PORT_ATTEMPTS times. Raises LaunchFailed with the log's tail when the
+    process exits, is stopped, cannot bind, or times out."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _launch_once(spec, spec.port or free_port(spec.host), ready, timeout_s, on_spawn, env)
+        except PortTaken:
+            if spec.port or attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(spec, port: int, ready, timeout_s: float, on_spawn, env: Optional[dict]) -> LaunchedServer:
     url = f"http://{spec.host}:{port}"
     log_path = spec.log_path or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1]
     env = launch_env(spec, os.environ) if env is None else env
     what = getattr(spec, "name", "SGLang's server")
     t0 = time.monotonic()
     with open(log_path, "ab") as log:
+        start = log.tell()  # a relaunch appends to the old log: only what this start wrote counts
         proc = subprocess.Popen(spec.argv(port), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # its own process group: stop() kills all of it
     server = LaunchedServer(spec, url, proc, log_path, ready)
@@ -209,6 +240,10 @@ def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn
         if ready(url):
             server.started_s = time.monotonic() - t0
             return server
+        if server.wrote_since(start, BIND_FAILED):
+            tail = server.log_tail()
+            server.stop()
+            raise PortTaken(f"{what} could not bind port {port}: another process holds it (log {log_path}):\n{tail}")
         time.sleep(0.5)
     tail = server.log_tail()
     server.stop()
