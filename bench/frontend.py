@@ -47,6 +47,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # tests.postgres
+from procstat import process_cpu_s  # noqa: E402
 from report import write_report  # noqa: E402
 from session_runtime.direct_http import DirectPool  # noqa: E402
 
@@ -118,11 +119,6 @@ class Served:
                 time.sleep(0.5)
         raise RuntimeError(f"{name}: the runtime did not start; see {self.data}/log")
 
-    def cpu_s(self) -> float:
-        """The process's CPU seconds so far (user + system, every thread)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
@@ -184,13 +180,13 @@ def throughput(served, clients: int, duration: float, turns: int = 20) -> dict:
                     step(c, cid)
                     counts[i] += 1
 
-    t0, cpu0 = time.perf_counter(), sum(s.cpu_s() for s in fleet)
+    t0, cpu0 = time.perf_counter(), sum(process_cpu_s(s.proc.pid) for s in fleet)
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    steps, cpu = sum(counts), sum(s.cpu_s() for s in fleet) - cpu0
+    steps, cpu = sum(counts), sum(process_cpu_s(s.proc.pid) for s in fleet) - cpu0
     return {"steps": steps, "seconds": round(time.perf_counter() - t0, 2),
             "steps_per_s": round(steps / (time.perf_counter() - t0), 1),
             "server_cpu_ms_per_step": round(cpu / max(steps, 1) * 1e3, 3)}

@@ -74,6 +74,7 @@ sys.path.insert(0, str(_HERE.parent))
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 
+from procstat import TICK, cpu_s, stat_fields  # noqa: E402
 from report import RESULTS, write_report  # noqa: E402
 
 from session_runtime.backends.base import StepRequest  # noqa: E402
@@ -509,29 +510,17 @@ def b_forced(rng_seed: int) -> dict:
     return {"reasoning": words(rng, NEW_TOKENS - 10).strip(), "content": words(rng, 8).strip()}
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_busy_s() -> float:
     """CPU seconds this machine has been busy (all cores, all processes), from /proc/stat."""
     f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-    return (user + nice + system + irq + softirq + steal) / _TICK
+    return (user + nice + system + irq + softirq + steal) / TICK
 
 
 def group_cpu_s(pgids: set[int]) -> float:
     """CPU seconds of the live processes in these process groups."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) in pgids:
-            total += int(fields[11]) + int(fields[12])
-    return total / _TICK
+    stats = (stat_fields(pid) for pid in os.listdir("/proc") if pid.isdigit())
+    return sum(cpu_s(f) for f in stats if f is not None and int(f[2]) in pgids)
 
 
 class Contention:

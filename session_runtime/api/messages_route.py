@@ -32,13 +32,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from session_runtime.api.auth import current_caller
+from session_runtime.api.lean_route import LeanRoute
 from session_runtime.api.messages_stream import Translator, anthropic_events
 from session_runtime.api.protocol_routes import chat_request, new_id, read_body, reply_of
 from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable
 from session_runtime.api.token_count import prompt_tokens
-from session_runtime.api.lean_route import LeanRoute
 from session_runtime.errors import InvalidRequest
 from session_runtime.protocols import get_protocol
 from session_runtime.protocols.canonical import Call, Msg, Reasoning, Reply, reasoning_text

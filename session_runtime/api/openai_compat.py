@@ -27,10 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from session_runtime.api.auth import current_caller
 from session_runtime.api.errors import ModelNotFound, openai_body
+from session_runtime.api.lean_route import LeanRoute
 from session_runtime.api.proxy_routes import answerable, proxy_completion, request_body, validation_error
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable, sse_step
-from session_runtime.api.lean_route import LeanRoute
 from session_runtime import continuation
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest
 from session_runtime.protocols.base import CHAT_PROTOCOLS

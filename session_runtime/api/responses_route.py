@@ -47,6 +47,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from session_runtime.api.auth import current_caller
+from session_runtime.api.lean_route import LeanRoute
 from session_runtime.api.protocol_routes import chat_request, read_body
 from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.responses_errors import (
@@ -58,7 +59,6 @@ from session_runtime.api.responses_store import ResponseStore, StoredResponse
 from session_runtime.api.responses_stream import ResponseEvents, translate
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable
-from session_runtime.api.lean_route import LeanRoute
 from session_runtime.errors import ConversationNotFound, InvalidRequest
 from session_runtime.protocols import get_protocol
 

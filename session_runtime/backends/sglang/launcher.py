@@ -206,13 +206,12 @@ def launch(spec: LaunchSpec, ready, timeout_s: float = START_TIMEOUT_S, on_spawn
     theirs the same way): the server is started again on another, at most
     PORT_ATTEMPTS times. Raises LaunchFailed with the log's tail when the
     process exits, is stopped, cannot bind, or times out."""
-    for attempt in range(1, PORT_ATTEMPTS + 1):
+    for _ in range(0 if spec.port else PORT_ATTEMPTS - 1):  # a port of ours taken: another
         try:
-            return _launch_once(spec, spec.port or free_port(spec.host), ready, timeout_s, on_spawn, env)
+            return _launch_once(spec, free_port(spec.host), ready, timeout_s, on_spawn, env)
         except PortTaken:
-            if spec.port or attempt == PORT_ATTEMPTS:
-                raise
-    raise AssertionError("unreachable")
+            pass
+    return _launch_once(spec, spec.port or free_port(spec.host), ready, timeout_s, on_spawn, env)
 
 
 def _launch_once(spec, port: int, ready, timeout_s: float, on_spawn, env: Optional[dict]) -> LaunchedServer:
