@@ -51,6 +51,13 @@ _SCHEMA = (
 ){rowid}""",
 )
 
+# A step's rows in one statement (SQLite runs `executemany` a row at a time, each
+# releasing the GIL; PostgreSQL, a round trip): a row at a key already written
+# replaces it. 5 parameters a row stay far below either's bound on parameters.
+_UPSERT = ("INSERT INTO conv_rows(conv, kind, seq, sub, data) VALUES %s "
+           "ON CONFLICT(conv, kind, seq, sub) DO UPDATE SET data = excluded.data")
+_ROWS_PER_STATEMENT = 500
+
 
 class Stored(NamedTuple):
     """A stored conversation as start-up sees it."""
@@ -92,9 +99,6 @@ class Store:
         """Run one statement (written with `?` placeholders)."""
         return self._db.execute(query, params)
 
-    def _sql_many(self, query: str, rows: list) -> None:
-        self._db.executemany(query, rows)
-
     def describe(self) -> str:
         return f"SQLite {self.path}"
 
@@ -121,9 +125,10 @@ class Store:
             self._sql("DELETE FROM conv_rows WHERE conv = ?", (conv.id,))
         for where, params in d.deletes:
             self._sql(f"DELETE FROM conv_rows WHERE conv = ? AND {where}", (conv.id, *params))
-        if d.inserts:
-            self._sql_many("INSERT INTO conv_rows(conv, kind, seq, sub, data) VALUES(?, ?, ?, ?, ?)",
-                           [(conv.id, *row) for row in d.inserts])
+        for i in range(0, len(d.inserts), _ROWS_PER_STATEMENT):
+            rows = d.inserts[i:i + _ROWS_PER_STATEMENT]
+            self._sql(_UPSERT % ", ".join(["(?, ?, ?, ?, ?)"] * len(rows)),
+                      tuple(v for row in rows for v in (conv.id, *row)))
         if d.head is not None:
             self._sql("INSERT INTO conv(id, tenant, worker, bytes, head, state) VALUES(?, ?, ?, ?, ?, ?) "
                       "ON CONFLICT(id) DO UPDATE SET tenant=excluded.tenant, worker=excluded.worker, "

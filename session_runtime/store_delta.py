@@ -7,7 +7,10 @@ replaces them all. Messages, trace entries and accounting are never changed
 once made (a step replaces them), so the first position where the list holds
 another object than the one written is where the rows to rewrite begin; the
 turn records are changed in place, so the last one written is always written
-again. `Written` remembers the objects written and each row's size, and is
+again. A row written again replaces the one at its key (an upsert); rows are
+deleted only past the end of a list that got shorter, so that a step is one
+statement of rows however many it wrote (each statement of SQLite's releases
+the GIL, a hand-off to another step's thread). `Written` remembers the objects written and each row's size, and is
 kept only after the transaction that wrote them committed.
 """
 
@@ -51,8 +54,8 @@ class Written:
 @dataclass
 class Delta:
     """Rows to delete (SQL condition, parameters past the conversation id) and
-    rows to insert (kind, seq, sub, data), the conversation's row, and what the
-    store holds once they are written."""
+    rows to write (kind, seq, sub, data; each replaces the row at its key), the
+    conversation's row, and what the store holds once they are written."""
 
     deletes: list = field(default_factory=list)
     inserts: list = field(default_factory=list)
@@ -63,8 +66,8 @@ class Delta:
 
 def _messages(d: Delta, kind: int, old: list, old_sizes: list, new: list, row) -> tuple[list, list]:
     k = first_difference(old, new)
-    if k < len(old):
-        d.deletes.append(("kind = ? AND seq >= ?", (kind, k)))
+    if len(new) < len(old):
+        d.deletes.append(("kind = ? AND seq >= ?", (kind, len(new))))
     sizes = old_sizes[:k]
     for i in range(k, len(new)):
         data = row(new[i])
@@ -82,8 +85,8 @@ def delta(conv: Conversation, w: Optional[Written]) -> Delta:
     n.trace, n.trace_sizes = _messages(d, TRACE, w.trace, w.trace_sizes, conv.trace, trace_row)
     # Turns: from the first one replaced, and the last one written in any case (changed in place).
     k = min(first_difference(w.turns, conv.turns), max(len(w.turns) - 1, 0))
-    if k < len(w.turns):
-        d.deletes.append(("kind = ? AND seq >= ?", (TURN, k)))
+    if len(conv.turns) < len(w.turns):
+        d.deletes.append(("kind = ? AND seq >= ?", (TURN, len(conv.turns))))
     n.turns, n.turn_sizes = list(conv.turns), w.turn_sizes[:k]
     # The turns before k keep their lists as written: no Written changes a list it holds.
     n.steps, n.step_sizes = w.steps[:k], w.step_sizes[:k]
@@ -94,8 +97,8 @@ def delta(conv: Conversation, w: Optional[Written]) -> Delta:
         n.turn_sizes.append(_size(data))
         # The steps of the record written before (the same object): from the first new one.
         s = first_difference(w.steps[t], record.steps) if t < len(w.turns) and w.turns[t] is record else 0
-        if t < len(w.steps) and s < len(w.steps[t]):
-            d.deletes.append(("kind = ? AND seq = ? AND sub >= ?", (STEP, t, s)))
+        if t < len(w.steps) and len(record.steps) < len(w.steps[t]):
+            d.deletes.append(("kind = ? AND seq = ? AND sub >= ?", (STEP, t, len(record.steps))))
         sizes = w.step_sizes[t][:s] if s else []
         for i in range(s, len(record.steps)):
             data = step_row(record.steps[i])

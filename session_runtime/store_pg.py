@@ -58,10 +58,6 @@ class PgStore(Store):
                 return None
         return self._db.execute(query.replace("?", "%s"), params, prepare=True)
 
-    def _sql_many(self, query: str, rows: list) -> None:
-        with self._db.cursor() as cur:
-            cur.executemany(query.replace("?", "%s"), rows)
-
     def _fence(self, conversation_id: str) -> None:
         """In a fleet, a conversation's rows are written (or deleted) only by its
         owner: the owner is read and its row locked in the step's transaction, so

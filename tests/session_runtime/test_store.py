@@ -191,3 +191,30 @@ def test_a_dropped_postgresql_connection_fails_one_write_and_the_next_one_reconn
     assert [m.content for m in other.load("c")[0].history] == ["before", "after"]
     other.close()
     store.close()
+
+
+def test_a_step_is_written_in_four_statements_however_many_rows_it_adds(tmp_path):
+    """BEGIN, one statement of rows, the conversation's row, COMMIT: no DELETE where
+    rows are only added or rewritten at their keys (each SQLite statement releases
+    the GIL to another step's thread; over PostgreSQL each is a round trip)."""
+    store = Store(tmp_path / "s.sqlite3")
+    rng = random.Random(1)
+    conv = _conv()
+    store.save(conv)
+    seen: list[str] = []
+    store._db.set_trace_callback(seen.append)
+    for turn in range(3):
+        seen.clear()
+        new = [_message(rng, turn) for _ in range(2)]
+        conv.history = conv.history[:-1] + [dataclasses.replace(conv.history[-1], reasoning="")] + new \
+            if conv.history else new  # the turn before closes: its last message is rewritten
+        conv.trace += [TraceEntry(m) for m in new]
+        conv.turns.append(TurnRecord(index=turn, steps=[_step(rng)]))
+        store.save(conv)
+        assert [s.split()[0] for s in seen] == ["BEGIN", "INSERT", "UPDATE", "COMMIT"], seen
+    conv.history = conv.history[:2]  # a client's shorter history: only then a DELETE (and the last
+    seen.clear()  # turn's record, written again at every save)
+    store.save(conv)
+    assert [s.split()[0] for s in seen] == ["BEGIN", "DELETE", "INSERT", "UPDATE", "COMMIT"], seen
+    assert _layers(store.load("c")[0]) == _layers(conv)
+    store.close()
