@@ -4,6 +4,9 @@ The same rows and the same one-transaction-per-step writes as the SQLite
 store (store.py), over one connection per runtime process, in autocommit mode
 with explicit transactions (`BEGIN ... COMMIT`), so that a step's rows are
 durable when its response returns (PostgreSQL's default `synchronous_commit`).
+A transaction's statements are pipelined (libpq's pipeline mode): a step's
+write is one round trip, two in a fleet (the owner's check is read first),
+where each statement was one, all of them under the store's lock.
 Several runtime processes may share one database; each writes only the
 conversations it serves.
 """
@@ -35,6 +38,7 @@ class PgStore(Store):
     now = "extract(epoch from clock_timestamp())"
     begin = "BEGIN"
     member: Optional[str] = None  # in a fleet (fleet.py): this process; its writes are fenced
+    _pipelined = False  # inside a transaction's pipeline (the store's lock held)
 
     def __init__(self, url: str):
         import psycopg
@@ -56,7 +60,35 @@ class PgStore(Store):
             self._db = connect(self.url)  # (a transaction that was open failed with it: its ROLLBACK is moot)
             if query == "ROLLBACK":
                 return None
-        return self._db.execute(query.replace("?", "%s"), params, prepare=True)
+        # Not prepared inside a pipeline: psycopg 3.3 forgets its prepared statements on a ROLLBACK's
+        # result and deallocates them later in the pipeline, where the next transaction's were made
+        # (measured: "prepared statement _pg3_9 does not exist" after a rolled-back write).
+        return self._db.execute(query.replace("?", "%s"), params, prepare=not self._pipelined)
+
+    def _transaction(self, body) -> None:
+        """The transaction's statements sent without waiting for each answer; a
+        read (the fence's) waits for what was sent before it. A statement that
+        fails raises at the pipeline's end, where the server skipped the rest
+        (COMMIT too); the transaction is rolled back after the pipeline, as
+        is one whose body raised."""
+        from psycopg.pq import TransactionStatus
+
+        if self._db.broken or self._db.closed:
+            self._db = connect(self.url)
+        db = self._db
+        try:
+            with db.pipeline():
+                self._pipelined = True
+                self._sql(self.begin)
+                body()
+                self._sql("COMMIT")
+        except BaseException:
+            self._pipelined = False
+            if not db.broken and not db.closed and db.info.transaction_status != TransactionStatus.IDLE:
+                db.execute("ROLLBACK")
+            raise
+        finally:
+            self._pipelined = False
 
     def _fence(self, conversation_id: str) -> None:
         """In a fleet, a conversation's rows are written (or deleted) only by its

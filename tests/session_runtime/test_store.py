@@ -218,3 +218,24 @@ def test_a_step_is_written_in_four_statements_however_many_rows_it_adds(tmp_path
     assert [s.split()[0] for s in seen] == ["BEGIN", "DELETE", "INSERT", "UPDATE", "COMMIT"], seen
     assert _layers(store.load("c")[0]) == _layers(conv)
     store.close()
+
+
+def test_a_step_is_one_round_trip_to_postgresql(pg_url, tmp_path):
+    """The transaction's statements are pipelined: everything is sent before the
+    first answer is read (libpq's own trace of the protocol's messages)."""
+    store = PgStore(pg_url)
+    conv = _conv()
+    conv.history = [Message("user", 0, "a")]
+    store.save(conv)
+    trace = tmp_path / "trace"
+    with trace.open("w") as f:
+        store._db.pgconn.trace(f.fileno())
+        conv.history = [*conv.history, Message("assistant", 0, "b")]
+        conv.turns = [TurnRecord(index=0, steps=[_step(random.Random(0))])]
+        store.save(conv)
+        store._db.pgconn.untrace()
+    directions = [line.split("\t")[1] for line in trace.read_text().splitlines()]
+    turns = [d for i, d in enumerate(directions) if i == 0 or d != directions[i - 1]]
+    assert turns == ["F", "B"], turns
+    assert _layers(PgStore(pg_url).load("c")[0]) == _layers(conv)
+    store.close()
