@@ -105,11 +105,25 @@ def _headers(fp) -> http.client.HTTPMessage:
     return msg
 
 
-class _Connection(http.client.HTTPConnection):
+class _OneWrite:
+    """The request's head and a bytes body in one write, where `http.client`
+    (3.11) writes them apart: each socket call releases the GIL (twice, with a
+    timeout: a poll first), a hand-off to another step's thread."""
+
+    def _send_output(self, message_body=None, encode_chunked=False):
+        if not isinstance(message_body, bytes) or encode_chunked:
+            return super()._send_output(message_body, encode_chunked)
+        self._buffer.extend((b"", b""))
+        head = b"\r\n".join(self._buffer)
+        del self._buffer[:]
+        self.send(head + message_body)
+
+
+class _Connection(_OneWrite, http.client.HTTPConnection):
     response_class = _Response
 
 
-class _TLSConnection(http.client.HTTPSConnection):
+class _TLSConnection(_OneWrite, http.client.HTTPSConnection):
     response_class = _Response
 
 

@@ -90,6 +90,24 @@ def test_posts_reuse_one_kept_alive_connection_and_carry_the_headers(server):
     pool.close()
 
 
+def test_a_request_is_one_write_of_its_head_and_body(server, monkeypatch):
+    """One socket call per request (each releases the GIL), and the server reads it whole."""
+    writes, real = [], socket.socket.sendall
+
+    def sendall(sock, data, *args):
+        if sock.getpeername()[1] == server.server_address[1]:  # the client's, not the server's answer
+            writes.append(len(data))
+        return real(sock, data, *args)
+    monkeypatch.setattr(socket.socket, "sendall", sendall)
+    pool = DirectPool(_url(server))
+    body = b"x" * 70_000  # larger than a segment, a socket buffer
+    with pool.post("/x", body, {"content-type": "application/json"}) as resp:
+        assert resp.status == 200 and resp.read() == b"echo:" + body
+    assert len(writes) == 1 and writes[0] > len(body)
+    assert server.seen[-1][2] == body
+    pool.close()
+
+
 def test_a_connection_the_server_closed_is_never_used_again(server):
     pool = DirectPool(_url(server))
     with pool.post("/close", b"a") as resp:  # the server says it closes
