@@ -28,3 +28,11 @@ def process_cpu_s(pid: int) -> float:
     if fields is None:
         raise ProcessLookupError(pid)
     return cpu_s(fields)
+
+
+def machine_ticks() -> tuple[int, int]:
+    """The whole machine's busy and total CPU ticks so far (/proc/stat's first line):
+    a window's busy share is the ratio of their differences."""
+    user, nice, system, idle, iowait, *rest = map(int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:])
+    busy = user + nice + system + sum(rest[:3])  # irq, softirq, steal
+    return busy, busy + idle + iowait
