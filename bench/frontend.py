@@ -27,8 +27,8 @@ after the SQLite servers, alternated between themselves; agent i talks to proces
 proxy would send it (target: two processes at least 1.7x one). Each window
 also records the whole machine's busy share (/proc/stat): where one process's
 windows already keep the machine (its clients, the stand-in and PostgreSQL
-with it) busy a share b of the time, two processes can reach at most 1/b of
-one on it; the JSON gives that ceiling beside the ratio.
+with it) busy most of the time, two cannot go much past it; the JSON gives
+both processes' busy shares beside the ratio.
 """
 
 from __future__ import annotations
@@ -318,10 +318,9 @@ def main() -> None:
         ratios = {c: round(two[c]["steps_per_s"] / one[c]["steps_per_s"], 2) for c in one}
         result["targets"]["two_over_one_process_postgresql"] = ratios
         result["targets"]["two_processes_at_least_1.7x_one"] = max(ratios.values()) >= 1.7
-        # What this machine leaves room for: one process's windows already kept it `busy` (its
-        # clients, the stand-in and PostgreSQL included), so two can reach at most 1/busy of one.
-        result["targets"]["two_over_one_ceiling_on_this_machine"] = {
-            c: round(1 / max(one[c]["machine_busy"], 1e-3), 2) for c in one}
+        # How busy the whole machine was (its clients, the stand-in and PostgreSQL included):
+        # two processes cannot go past the cores the one left idle.
+        result["targets"]["machine_busy_one_two"] = {c: [one[c]["machine_busy"], two[c]["machine_busy"]] for c in one}
     for name, part in runs.items():
         if "per_turn" in part:
             print(name, "per-turn medians (ms):", part["per_turn"]["median_ms"])
