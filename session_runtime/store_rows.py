@@ -16,7 +16,7 @@ import dataclasses
 import json
 from typing import Optional
 
-from session_runtime.accounting import StepAccounting
+from session_runtime.accounting import StepAccounting, plain_dict
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
@@ -78,8 +78,8 @@ def step_row(s: StepAccounting) -> str:
 def head_row(conv: Conversation) -> str:
     """The settings: written when they change (a client's new system prompt or tools)."""
     return compact({"system": conv.system, "tools": conv.tools, "template": conv.template,
-                   "policy": dataclasses.asdict(conv.policy), "materialize": dataclasses.asdict(conv.materialize),
-                   "offload": dataclasses.asdict(conv.offload)})
+                   "policy": plain_dict(conv.policy), "materialize": plain_dict(conv.materialize),
+                   "offload": plain_dict(conv.offload)})
 
 
 def head_key(conv: Conversation) -> tuple:
