@@ -67,3 +67,40 @@ def test_kept_flags_of_a_history_out_of_turn_order_ask_each_message():
     messages = [Message("user", t, "x") for t in (0, 2, 1, 3)]
     assert _kept(keep_from(2), messages) == [False, True, False, True]
     assert _kept(lambda t: t % 2 == 0, messages) == [True, True, False, False]
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_messages_out_of_turn_order_render_as_from_scratch(name, monkeypatch):
+    """Keep flags compared by bisection only where the turns are in order: a
+    history out of turn order (and a rule that is not a threshold) asks each
+    message, and still renders as a fresh template does."""
+    make, tokenizer = MAKERS[name]
+    tok = tokenizer()
+    cached = make(tok)
+    turns = [0, 2, 1, 3, 3, 5, 4, 6]
+    history: list[Message] = []
+    for k, t in enumerate(turns):
+        history += [Message("user", t, f"Q{k}?"), _assistant(cached, random.Random(k), t, calls=False)]
+        for keep in (keep_from(2), keep_from(4), keep_all, lambda turn: turn % 2 == 0, keep_from(2)):
+            for generation_prompt in (True, False):
+                got = cached.render("S.", [], history, keep, generation_prompt)
+                want = make(tok).render("S.", [], history, keep, generation_prompt)
+                assert (got.ids, got.spans) == (want.ids, want.spans), (k, keep)
+
+
+def test_a_history_in_turn_order_under_thresholds_builds_no_keep_flags(monkeypatch):
+    """The runtime's case: thresholds that move as turns close, over a history
+    in turn order: the renders never build a list of per-message flags."""
+    import session_runtime.templates.render_cache as rc
+
+    cached = DeepSeekTemplate(deepseek_tokenizer())
+    built = []
+    monkeypatch.setattr(rc, "_kept", lambda keep, messages: built.append(len(messages)) or [])
+    history: list[Message] = []
+    for turn in range(6):
+        history = history + [Message("user", turn, f"Q{turn}?")]
+        for keep in (keep_from(turn), keep_from(max(0, turn - 1)), keep_all):
+            cached.render("S.", [], history, keep, True)
+        history = history + [_assistant(cached, random.Random(turn), turn, calls=False)]
+        cached.render("S.", [], history, keep_from(turn + 1), False)
+    assert built == []
