@@ -74,7 +74,7 @@ sys.path.insert(0, str(_HERE.parent))
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 
-from procstat import TICK, cpu_s, stat_fields  # noqa: E402
+from procstat import TICK, cpu_s, machine_ticks, stat_fields  # noqa: E402
 from report import RESULTS, write_report  # noqa: E402
 
 from session_runtime.backends.base import StepRequest  # noqa: E402
@@ -512,9 +512,7 @@ def b_forced(rng_seed: int) -> dict:
 
 def cpu_busy_s() -> float:
     """CPU seconds this machine has been busy (all cores, all processes), from /proc/stat."""
-    f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f[:8])
-    return (user + nice + system + irq + softirq + steal) / TICK
+    return machine_ticks()[0] / TICK
 
 
 def group_cpu_s(pgids: set[int]) -> float:

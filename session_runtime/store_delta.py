@@ -10,8 +10,9 @@ turn records are changed in place, so the last one written is always written
 again. A row written again replaces the one at its key (an upsert); rows are
 deleted only past the end of a list that got shorter, so that a step is one
 statement of rows however many it wrote (each statement of SQLite's releases
-the GIL, a hand-off to another step's thread). `Written` remembers the objects written and each row's size, and is
-kept only after the transaction that wrote them committed.
+the GIL, a hand-off to another step's thread). `Written` remembers the
+objects written and each row's size, and is kept only after the transaction
+that wrote them committed.
 """
 
 from __future__ import annotations

@@ -55,11 +55,17 @@ class PgStore(Store):
         finally:
             self._db.execute("SELECT pg_advisory_unlock(%s)", (_SCHEMA_LOCK,))
 
+    def _reconnected(self) -> bool:
+        """A new connection when the server restarted, or dropped us (a transaction
+        that was open failed with the old one). Whether one was made."""
+        if not (self._db.broken or self._db.closed):
+            return False
+        self._db = connect(self.url)
+        return True
+
     def _sql(self, query: str, params: tuple = ()):
-        if self._db.broken or self._db.closed:  # the server restarted, or dropped us: a new connection
-            self._db = connect(self.url)  # (a transaction that was open failed with it: its ROLLBACK is moot)
-            if query == "ROLLBACK":
-                return None
+        if self._reconnected() and query == "ROLLBACK":  # its transaction went with the old connection
+            return None
         # Not prepared inside a pipeline: psycopg 3.3 forgets its prepared statements on a ROLLBACK's
         # result and deallocates them later in the pipeline, where the next transaction's were made
         # (measured: "prepared statement _pg3_9 does not exist" after a rolled-back write).
@@ -73,8 +79,7 @@ class PgStore(Store):
         is one whose body raised."""
         from psycopg.pq import TransactionStatus
 
-        if self._db.broken or self._db.closed:
-            self._db = connect(self.url)
+        self._reconnected()
         db = self._db
         try:
             with db.pipeline():
@@ -83,7 +88,6 @@ class PgStore(Store):
                 body()
                 self._sql("COMMIT")
         except BaseException:
-            self._pipelined = False
             if not db.broken and not db.closed and db.info.transaction_status != TransactionStatus.IDLE:
                 db.execute("ROLLBACK")
             raise

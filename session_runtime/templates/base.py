@@ -96,12 +96,15 @@ def keeping_starts(keep: KeepReasoning, messages: Sequence[Message]) -> Optional
     is a threshold (KeepFrom) and the messages are in turn order: one bisection
     in C instead of a call per message. None otherwise (ask `keep` per message)."""
     first = getattr(keep, "first", None)
-    if first is None:
+    if first is None or not in_turn_order(messages):
         return None
+    return bisect.bisect_left(messages, first, key=_turn)
+
+
+def in_turn_order(messages: Sequence[Message]) -> bool:
+    """Are the messages' turns non-decreasing (compared in C)."""
     turns = list(map(_turn, messages))
-    if not all(map(operator.le, turns, turns[1:])):
-        return None
-    return bisect.bisect_left(turns, first)
+    return all(map(operator.le, turns, turns[1:]))
 
 
 def message_groups(messages: Sequence[Message]) -> Iterator[tuple[str, list[Message]]]:

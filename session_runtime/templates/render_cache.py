@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from session_runtime.sequences import first_difference
-from session_runtime.templates.base import KeepReasoning, Message, Rendered, keeping_starts, message_groups
+from session_runtime.templates.base import KeepReasoning, Message, Rendered, in_turn_order, keeping_starts, \
+    message_groups
 
 _turn = operator.attrgetter("turn")
 PER_BUCKET = 8  # renderings kept per first message: the step's few kinds of render
@@ -48,12 +49,6 @@ def _kept(keep: KeepReasoning, messages: list) -> list:
     if k is None:
         return list(map(keep, map(_turn, messages)))
     return [False] * k + [True] * (len(messages) - k)
-
-
-def _ordered(messages: list, start: int = 0) -> bool:
-    """Are the messages' turns in order from `start` on (in C)."""
-    turns = list(map(_turn, messages[start:]))
-    return all(map(operator.le, turns, turns[1:]))
 
 
 @dataclass
@@ -137,7 +132,7 @@ class RenderCache:
                 ends.append(i)
                 marks.append((len(out.ids), len(out.spans)))
         # In order: what the entry extended from was (the same objects up to `start`), and what follows is.
-        ordered = _ordered(messages, max(start - 1, 0)) if best is not None and best.ordered else _ordered(messages)
+        ordered = in_turn_order(messages[max(start - 1, 0):] if best is not None and best.ordered else messages)
         self._keep(_Entry(system, tools, messages, keep, first, ordered, ends, marks,
                           Rendered(list(out.ids), list(out.spans))),
                    key, best if best is not None and start == len(best.messages) else None)
