@@ -8,10 +8,11 @@ runtime's work is timed: the runtime is `session-runtime serve --upstream ...
 --data-dir ...` in its own process (SQLite store, as deployed), driven over
 HTTP by client threads here.
 
-- `per_turn`: `--repeats` conversations (a 300-word system prompt, a 30-word
-  message and an 8-token answer per turn, drop policy) of `--turns` turns
-  each, alternated between the servers; the median step time around turns
-  10, 100 and 300 over all of them (target: turn 300 within 1.5x of turn 10).
+- `per_turn`: the median step time around turns 10, 100 and 300 (conversations
+  of a 300-word system prompt, a 30-word message and an 8-token answer per
+  turn, drop policy; `--repeats` per window), the three windows and the
+  servers measured side by side, step by step in rotation (target: turn 300
+  within 1.5x of turn 10).
 - `throughput`: C clients each running 20-turn conversations back to back for
   `--duration` s; steps/s at each C, the median of `--rounds` windows
   alternated between the servers (target: 3x the 90 steps/s measured before
@@ -155,18 +156,38 @@ def step(client: DirectPool, cid: str) -> float:
     return time.perf_counter() - t0
 
 
-def conversation(served: Served, turns: int) -> list[float]:
-    """ms per step of one conversation of `turns` turns."""
-    with contextlib.closing(DirectPool(served.url, timeout_s=120)) as c:
-        cid = create(c)
-        return [round(step(c, cid) * 1000, 3) for _ in range(turns)]
-
-
-def per_turn(runs: list[list[float]], turns: int) -> dict:
-    """Each window's median over every run's steps in it (runs alternated between the servers)."""
-    medians = {k: statistics.median(t for ms in runs for t in ms[a:b]) for k, (a, b) in WINDOWS.items()
-               if b <= turns}
-    return {"ms": runs[0], "runs": len(runs), "median_ms": {k: round(v, 3) for k, v in medians.items()}}
+def per_turn(group: dict, turns: int, repeats: int) -> dict:
+    """Per server, the median ms of a step in each window of WINDOWS (turns a to
+    b), measured side by side: `repeats` conversations per window are first
+    taken to turn a (timed, for the plot), then the windows' steps run in
+    rotation, one step of each conversation of each server in turn, so a slow
+    minute of this machine lands on every window alike. (Measured one
+    conversation after another, turn 300 came a minute after turn 10, and one
+    commit's ratio moved from 1.41x to 1.75x with the machine.)"""
+    windows = {k: w for k, w in WINDOWS.items() if w[1] <= turns}
+    clients = {name: DirectPool(s.url, timeout_s=120) for name, s in group.items()}
+    try:
+        convs, series = {}, {name: [] for name in group}
+        for name, c in clients.items():
+            for k, (a, _) in windows.items():
+                for r in range(repeats):
+                    convs[name, k, r] = cid = create(c)
+                    ms = [round(step(c, cid) * 1000, 3) for _ in range(a)]
+                    series[name] = max(series[name], ms, key=len)
+        samples: dict = {(name, k): [] for name in group for k in windows}
+        names = list(group)
+        for i in range(max(b - a for a, b in windows.values())):
+            for k, (a, b) in windows.items():
+                for r in range(repeats if a + i < b else 0):
+                    for name in names if (i + r) % 2 == 0 else names[::-1]:
+                        samples[name, k].append(round(step(clients[name], convs[name, k, r]) * 1000, 3))
+    finally:
+        for c in clients.values():
+            c.close()
+    return {name: {"ms": series[name], "runs": repeats, "side_by_side": True,
+                   "window_ms": {k: samples[name, k] for k in windows},
+                   "median_ms": {k: round(statistics.median(samples[name, k]), 3) for k in windows}}
+            for name in group}
 
 
 def throughput(served, clients: int, duration: float, turns: int = 20) -> dict:
@@ -229,7 +250,7 @@ def main() -> None:
     ap.add_argument("--baseline", help="a commit to measure beside this checkout (git worktree)")
     ap.add_argument("--turns", type=int, default=300)
     ap.add_argument("--duration", type=float, default=10.0)
-    ap.add_argument("--repeats", type=int, default=3, help="conversations per server for the per-turn figures")
+    ap.add_argument("--repeats", type=int, default=3, help="conversations per window and server for the per-turn figures")
     ap.add_argument("--rounds", type=int, default=3,
                     help="windows per server and client count, alternated between the servers; the median is reported")
     ap.add_argument("--concurrency", default="1,8,32", help="client counts for steps/s; 'none': per-turn figures only")
@@ -253,11 +274,8 @@ def main() -> None:
     try:
         servers = {name: Served(root, upstream, name.split()[0], "--upstream-protocol", args.protocol)
                    for name, root in roots.items()}
-        samples: dict = {name: [] for name in servers}
-        for _ in range(args.repeats):  # alternated: a noisy minute hits both alike
-            for name, s in servers.items():
-                samples[name].append(conversation(s, args.turns))
-        runs = {name: {"per_turn": per_turn(samples[name], args.turns), "throughput": {}} for name in servers}
+        runs = {name: {"per_turn": part, "throughput": {}}
+                for name, part in per_turn(servers, args.turns, args.repeats).items()}
         if args.fleet:
             from tests.postgres import PostgresServer
 

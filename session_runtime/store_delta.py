@@ -45,11 +45,11 @@ class Written:
     head: Optional[tuple] = None  # head_key of what was written
     head_size: int = 0
     state_size: int = 0
+    rows_size: int = 0  # the sizes' sum, kept as rows come and go: a step adds what it wrote
 
     @property
     def bytes(self) -> int:
-        return (sum(self.history_sizes) + sum(self.trace_sizes) + sum(self.turn_sizes)
-                + sum(map(sum, self.step_sizes)) + self.head_size + self.state_size)
+        return self.rows_size + self.head_size + self.state_size
 
 
 @dataclass
@@ -70,10 +70,12 @@ def _messages(d: Delta, kind: int, old: list, old_sizes: list, new: list, row) -
     if len(new) < len(old):
         d.deletes.append(("kind = ? AND seq >= ?", (kind, len(new))))
     sizes = old_sizes[:k]
+    d.written.rows_size -= sum(old_sizes[k:])
     for i in range(k, len(new)):
         data = row(new[i])
         d.inserts.append((kind, i, 0, data))
         sizes.append(_size(data))
+    d.written.rows_size += sum(sizes[k:])
     return list(new), sizes
 
 
@@ -82,6 +84,7 @@ def delta(conv: Conversation, w: Optional[Written]) -> Delta:
     w = w or Written()
     d = Delta()
     n = d.written
+    n.rows_size = w.rows_size
     n.history, n.history_sizes = _messages(d, HISTORY, w.history, w.history_sizes, conv.history, history_row)
     n.trace, n.trace_sizes = _messages(d, TRACE, w.trace, w.trace_sizes, conv.trace, trace_row)
     # Turns: from the first one replaced, and the last one written in any case (changed in place).
@@ -91,6 +94,7 @@ def delta(conv: Conversation, w: Optional[Written]) -> Delta:
     n.turns, n.turn_sizes = list(conv.turns), w.turn_sizes[:k]
     # The turns before k keep their lists as written: no Written changes a list it holds.
     n.steps, n.step_sizes = w.steps[:k], w.step_sizes[:k]
+    n.rows_size -= sum(w.turn_sizes[k:]) + sum(map(sum, w.step_sizes[k:]))  # written again below
     for t in range(k, len(conv.turns)):
         record = conv.turns[t]
         data = turn_row(record)
@@ -107,6 +111,7 @@ def delta(conv: Conversation, w: Optional[Written]) -> Delta:
             sizes.append(_size(data))
         n.steps.append(list(record.steps))
         n.step_sizes.append(sizes)
+        n.rows_size += n.turn_sizes[-1] + sum(sizes)
     if len(w.steps) > len(conv.turns):  # fewer turns than written (a client's other history)
         d.deletes.append(("kind = ? AND seq >= ?", (STEP, len(conv.turns))))
     key = head_key(conv)
@@ -136,4 +141,5 @@ def written_of(conv: Conversation, rows: list[tuple[int, int, int, str]], head: 
             w.turn_sizes.append(size)
         else:
             w.step_sizes[seq].append(size)
+        w.rows_size += size
     return w

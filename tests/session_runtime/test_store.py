@@ -111,6 +111,7 @@ def test_what_is_loaded_is_what_was_in_memory_after_any_changes(open_store, seed
             assert size == delta(conv, None).written.bytes  # kept by deltas, as a whole write counts it
             fresh = open_store()  # another reader: only what was committed
             loaded, parked = fresh.load("c")
+            assert fresh._written["c"].bytes == size  # as the rows read back count it
             fresh.close()
             assert _layers(loaded) == _layers(conv) and not parked
             assert [s.id for s in store.index()] == ["c"] and store.index()[0].bytes == size
