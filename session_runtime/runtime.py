@@ -422,8 +422,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
             new = self._user_message(conv, content) if content is not None else \
                 self._result_messages(conv, request.tool_results())
             keep = conv.policy.kept_turns(conv.closed_turns)
-            return len(self.template(conv.template).render(conv.system, conv.tools, conv.history + new, keep,
-                                                           True).ids)
+            return self.template(conv.template).rendered_length(conv.system, conv.tools, conv.history + new, keep,
+                                                                True)
 
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up, and every chain has a conversation."""

@@ -94,7 +94,7 @@ class StepPath:
                 conv.canonical_kind = "canonical"
             keep = conv.policy.kept_turns(conv.closed_turns)
             rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
-            history_len = len(tpl.render(conv.system, conv.tools, conv.history, keep, False).ids) if conv.history else 0
+            history_len = tpl.rendered_length(conv.system, conv.tools, conv.history, keep, False) if conv.history else 0
             # No KV here in upstream mode: nothing local to weigh keep against drop by.
             probe_prompts = self._counterfactual_prompts(conv, tpl, new) \
                 if first and not self.backend.wants_transcript else None
@@ -142,7 +142,7 @@ class StepPath:
         try:
             known = self._known_before(conv, worker)
             # The system prompt and tools are history too, for the reasons (first_seen).
-            before_new = history_len if conv.history else len(tpl.render(conv.system, conv.tools, [], keep, False).ids)
+            before_new = history_len if conv.history else tpl.rendered_length(conv.system, conv.tools, [], keep, False)
             step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual,
                                 before_new, known)
         except BaseException:

@@ -134,6 +134,13 @@ class DeepSeekTemplate:
             del out.ids[last.start :]
         return out
 
+    def rendered_length(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
+                        keep: KeepReasoning, generation_prompt: bool = True) -> int:
+        """len(render(...).ids), without copying a rendering the cache holds."""
+        trailing = not generation_prompt and bool(messages) and messages[-1].role != "assistant"
+        n = self._renders.length(system, tools, messages, keep, without_last_span=trailing)
+        return n if n is not None else len(self.render(system, tools, messages, keep, generation_prompt).ids)
+
     def _render_head(self, out: Rendered, system: Optional[str], tools: Sequence[dict]) -> None:
         out.add("bos", [self.bos])
         pieces: list[Piece] = [(system or "", False)]

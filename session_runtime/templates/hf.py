@@ -111,6 +111,10 @@ class HFTemplate:
 
     # ----- rendering ----------------------------------------------------------------
 
+    def rendered_length(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
+                        keep: KeepReasoning, generation_prompt: bool = True) -> int:
+        return len(self.render(system, tools, messages, keep, generation_prompt).ids)
+
     def render(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
                keep: KeepReasoning, generation_prompt: bool = True) -> Rendered:
         tools = [_openai_tool(t) for t in tools]

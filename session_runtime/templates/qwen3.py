@@ -101,6 +101,14 @@ class Qwen3Template:
             out.add("generation_prompt", self._header("assistant"))
         return out
 
+    def rendered_length(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
+                        keep: KeepReasoning, generation_prompt: bool = True) -> int:
+        """len(render(...).ids), without copying a rendering the cache holds."""
+        n = self._renders.length(system, tools, messages, keep)
+        if n is None:
+            return len(self.render(system, tools, messages, keep, generation_prompt).ids)
+        return n + (len(self._header("assistant")) if generation_prompt and messages[-1].role != "assistant" else 0)
+
     def _render_head(self, out: Rendered, system: Optional[str], tools: Sequence[dict]) -> None:
         if tools:
             pieces: list[Piece] = [("system\n", True)]

@@ -90,6 +90,44 @@ class RenderCache:
         self._tokens = 0
         self._lock = threading.Lock()
 
+    def _best(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
+              keep: KeepReasoning) -> tuple[Optional[_Entry], int]:
+        """The entry to extend and the index of its group end to extend from
+        (None, 0: none). Under the lock."""
+        first = getattr(keep, "first", None)
+        best, at = None, 0
+        # Longest first: an entry can extend no further than it or this rendering
+        # goes, so once the best found reaches that, the rest are not compared.
+        for e in sorted(self._buckets.get(id(messages[0]) if messages else None, ()), key=_length, reverse=True):
+            if best is not None and min(len(e.messages), len(messages)) <= best.ends[at]:
+                break
+            if e.system != system or e.tools is not tools:
+                continue
+            shared = first_difference(e.messages, messages)
+            if best is not None and shared <= best.ends[at]:
+                continue
+            shared = min(shared, e.kept_agree(messages, shared, keep, first))
+            i = bisect.bisect_right(e.ends, shared) - 1
+            if best is None or e.ends[i] > best.ends[at]:
+                best, at = e, i
+        return best, at
+
+    def length(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
+               keep: KeepReasoning, without_last_span: bool = False) -> Optional[int]:
+        """How many ids `render` would return, read from a kept rendering that
+        has a group end at the messages' end (no ids copied); None where none
+        has. `without_last_span`: up to the start of the last span instead."""
+        if not messages:
+            return None
+        with self._lock:
+            best, at = self._best(system, tools, messages, keep)
+            if best is None or best.ends[at] != len(messages):
+                return None
+            n_ids, n_spans = best.marks[at]
+            if not without_last_span:
+                return n_ids
+            return best.out.spans[n_spans - 1].start if n_spans else None
+
     def render(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
                keep: KeepReasoning, head: Callable[[Rendered], None],
                group: Callable[[Rendered, str, list, bool], None]) -> Rendered:
@@ -98,22 +136,8 @@ class RenderCache:
         messages = list(messages)
         first = getattr(keep, "first", None)
         key = id(messages[0]) if messages else None
-        best, at = None, 0  # the entry to extend, and the index of its group end to extend from
         with self._lock:
-            # Longest first: an entry can extend no further than it or this rendering
-            # goes, so once the best found reaches that, the rest are not compared.
-            for e in sorted(self._buckets.get(key, ()), key=_length, reverse=True):
-                if best is not None and min(len(e.messages), len(messages)) <= best.ends[at]:
-                    break
-                if e.system != system or e.tools is not tools:
-                    continue
-                shared = first_difference(e.messages, messages)
-                if best is not None and shared <= best.ends[at]:
-                    continue
-                shared = min(shared, e.kept_agree(messages, shared, keep, first))
-                i = bisect.bisect_right(e.ends, shared) - 1
-                if best is None or e.ends[i] > best.ends[at]:
-                    best, at = e, i
+            best, at = self._best(system, tools, messages, keep)
             if best is None:
                 out, ends, marks, start = Rendered(), [], [], 0
             else:

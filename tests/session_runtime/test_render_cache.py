@@ -52,9 +52,13 @@ def test_a_cached_render_is_the_render_from_scratch(name, seed):
                 # Which turns keep their reasoning, found by bisection: what asking each message says.
                 assert _kept(keep, messages) == [keep(m.turn) for m in messages]
                 for generation_prompt in (True, False):
+                    before = cached.rendered_length(system, tools, messages, keep, generation_prompt)
                     got = cached.render(system, tools, messages, keep, generation_prompt)
                     want = make(tok).render(system, tools, messages, keep, generation_prompt)
                     assert (got.ids, got.spans) == (want.ids, want.spans), (turn, cut)
+                    # The length alone, from what the cache holds (or rendered, where it holds none).
+                    after = cached.rendered_length(system, tools, messages, keep, generation_prompt)
+                    assert before == after == len(want.ids), (turn, cut, generation_prompt)
                     got.ids.append(-1)  # what a caller does to its copy does not reach the cache
         # The turn closes: its reasoning is dropped from the history (new message objects).
         history = [m if m.turn != turn or not m.reasoning or rng.random() < 0.3 else cached.strip_reasoning(m)
@@ -104,3 +108,20 @@ def test_a_history_in_turn_order_under_thresholds_builds_no_keep_flags(monkeypat
         history = history + [_assistant(cached, random.Random(turn), turn, calls=False)]
         cached.render("S.", [], history, keep_from(turn + 1), False)
     assert built == []
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_the_history_length_a_step_asks_is_read_from_the_prompt_it_rendered(name, monkeypatch):
+    """A step renders its prompt (history + the new message), then asks the
+    history's length: read from the prompt's kept rendering, no render (no
+    copy of the conversation's ids)."""
+    make, tokenizer = MAKERS[name]
+    tpl = make(tokenizer())
+    rng = random.Random(0)
+    history = [m for t in range(6) for m in (Message("user", t, f"Q {t}?"), _assistant(tpl, rng, t, calls=False))]
+    new = [Message("user", 6, "Q 6?")]
+    keep, tools = keep_from(6), []  # the conversation's own tools list
+    prompt = tpl.render("Be brief.", tools, history + new, keep, True)
+    want = len(make(tokenizer()).render("Be brief.", tools, history, keep, False).ids)
+    monkeypatch.setattr(tpl._renders, "render", lambda *a, **k: pytest.fail("rendered again"))
+    assert tpl.rendered_length("Be brief.", tools, history, keep, False) == want < len(prompt.ids)
