@@ -88,6 +88,7 @@ class TurnRecord:
 
 
 _closed = operator.attrgetter("closed")
+_message = operator.attrgetter("message")
 
 
 @dataclass
@@ -139,6 +140,10 @@ class Conversation:
         if snap.turns:
             snap.turns[-1] = dataclasses.replace(snap.turns[-1], steps=list(snap.turns[-1].steps))
         return snap
+
+    def trace_messages(self) -> list[Message]:
+        """The trace's messages, gathered in C (a step asks for them at every length)."""
+        return list(map(_message, self.trace))
 
     @property
     def closed_turns(self) -> int:

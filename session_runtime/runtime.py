@@ -205,7 +205,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         if self.backend.wants_transcript:  # upstream mode: the client's assistant messages go back as sent
             messages = importer.with_chat_wire(messages, raw_messages)
         if (conv.system, conv.tools) == (system, tools) and \
-                continuation.first_difference([e.message for e in conv.trace], messages) is None:
+                continuation.first_difference(conv.trace_messages(), messages) is None:
             return False
         self.materializer.cancel(conv.id)
         conv.system, conv.tools = system, tools

@@ -106,7 +106,7 @@ class StepPath:
             if self.backend.wants_transcript:  # upstream mode: the provider answers from the messages
                 if conv.outbound is None:
                     conv.outbound = OutboundPrefix()
-                transcript = Transcript(conv.system, conv.tools, [e.message for e in conv.trace] + new, tpl,
+                transcript = Transcript(conv.system, conv.tools, conv.trace_messages() + new, tpl,
                                         conv.outbound)
             result = self.backend.step(
                 StepRequest(
@@ -160,7 +160,7 @@ class StepPath:
 
     def _counterfactual_prompts(self, conv: Conversation, tpl: Template, new: list[Message]) -> list[list[int]]:
         """This turn's prompt as keep and as drop would render it."""
-        generated = [e.message for e in conv.trace] + new
+        generated = conv.trace_messages() + new
         rules = (turn_rules.keep_all, turn_rules.keep_from(new[0].turn))
         return [tpl.render(conv.system, conv.tools, generated, keep, True).ids for keep in rules]
 
@@ -308,7 +308,7 @@ class StepPath:
         the branch under the conversation's own materialize setting:
         `drop_materializes` is the real decision when the conversation runs drop;
         otherwise the same `decide` is asked with drop's figures."""
-        trace = [e.message for e in conv.trace]
+        trace = conv.trace_messages()
         *before, last = trace
         t = record.index
 

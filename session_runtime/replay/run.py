@@ -190,7 +190,7 @@ def replay(
             record = rt.describe(cid)["turns"][index]
             result.turns.append(TurnResult(index, turn.line, steps, rt.materializer.stats["prefill_tokens"] - before,
                                            record["fork_tokens"], record["materialize"]))
-        result.messages = [e.message for e in rt.get(cid).trace]
+        result.messages = rt.get(cid).trace_messages()
     finally:
         if delete:
             rt.delete_conversation(cid)
