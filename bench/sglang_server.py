@@ -655,10 +655,12 @@ class RuntimeAgents:
 class RawAgents:
     """Agents that POST /generate directly (the same body the runtime's backend
     sends minus session_id, kv_hints and namespace keys), streamed, with the
-    prompt the runtime would render for a fresh conversation."""
+    prompt the runtime would render for a fresh conversation. `burn_ms`: each
+    step then spends that much of its thread's CPU in Python (holding the GIL)
+    after its answer, inside its timing, as the runtime's bookkeeping would."""
 
-    def __init__(self, url: str, tpl, args, kind: str, tag: str):
-        self.url, self.tpl, self.args, self.tag = url, tpl, args, tag
+    def __init__(self, url: str, tpl, args, kind: str, tag: str, burn_ms: float = 0.0):
+        self.url, self.tpl, self.args, self.tag, self.burn_ms = url, tpl, args, tag, burn_ms
         self.forced = tpl.forced_ids(**_forced_args({**b_forced(args.seed), "tool_calls": []})) if kind == "forced" else None
         self.stop = sorted(tpl.stop_token_ids)
         self.run_id = 0
@@ -674,14 +676,23 @@ class RawAgents:
                                      lambda t: True, True).ids
             if self.forced is None:
                 res = generate(http, self.url, prompt, NEW_TOKENS, self.stop)
-                return res["total_ms"], len(res["output"])
+                return res["total_ms"] + self._burn(), len(res["output"])
             res = generate(http, self.url, prompt + self.forced, 0, self.stop)
-            return res["total_ms"], len(self.forced)
+            return res["total_ms"] + self._burn(), len(self.forced)
 
         try:
             return drive(c, duration, step_fn)
         finally:
             http.close()
+
+    def _burn(self) -> float:
+        """Spend burn_ms of this thread's CPU in bytecode; returns the wall ms it took."""
+        if self.burn_ms <= 0:
+            return 0.0
+        t0, end = time.perf_counter(), time.thread_time() + self.burn_ms / 1e3
+        while time.thread_time() < end:
+            pass
+        return (time.perf_counter() - t0) * 1e3
 
 
 def part_b(drivers: dict[str, object], levels: list[int], duration: float, rounds: int,
@@ -760,6 +771,10 @@ def targets(b: dict) -> dict:
             entry["p50_at_8_vs_plain_server"] = {
                 "value": round(ours[8]["p50_ms"] / plain[8]["p50_ms"] - 1, 4),
                 "how": "supplementary: plain SGLang's own server, run minutes apart"}
+        burn = {r["concurrency"]: r for r in b.get("sglang_session_raw_burn", {}).get(kind, [])}
+        for c in sorted(set(burn) & set(raw)):  # what the burnt CPU alone costs raw /generate (--raw-burn-ms)
+            entry[f"raw_burn_at_{c}"] = {"steps_per_s_deficit": round(raw[c]["steps_per_s"] / burn[c]["steps_per_s"] - 1, 4),
+                                         "p50_overhead": round(burn[c]["p50_ms"] / raw[c]["p50_ms"] - 1, 4)}
         on_path = [r.get("commands_per_step", {}).get("on_step_path") for r in ours.values()]
         entry["commands_on_step_path_per_step"] = {"values": on_path, "target": "0",
                                                    "met": all(v == 0 for v in on_path if v is not None)}
@@ -850,6 +865,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="Part A replays per mode (TTFT medians; default 2, quick 1)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="Part B alternations of runtime and raw /generate on the session server (default 2, quick 1)")
+    ap.add_argument("--raw-burn-ms", type=float, default=0.0,
+                    help="also raw /generate agents that spend this much CPU in Python per step after the answer "
+                         "(the runtime client's extra CPU per step, to see what it costs the steps/s)")
     ap.add_argument("--b-system-words", type=int, default=160)
     ap.add_argument("--b-user-words", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1,
@@ -979,7 +997,10 @@ def main() -> None:
             print("[session] Part B", flush=True)
             for kind in ("sampled", "forced") if "part_b" not in skip else ():
                 rows = part_b({"sglang_session_runtime": RuntimeAgents(rt, args, kind, "session"),
-                               "sglang_session_raw": RawAgents(server.url, tpl, args, kind, "raw")},
+                               "sglang_session_raw": RawAgents(server.url, tpl, args, kind, "raw"),
+                               **({"sglang_session_raw_burn": RawAgents(server.url, tpl, args, kind, "burn",
+                                                                        args.raw_burn_ms)}
+                                  if args.raw_burn_ms > 0 else {})},
                               levels, args.duration, args.rounds, server.process.pid)
                 for name, r in rows.items():
                     backends.setdefault(name, {})[kind] = r
