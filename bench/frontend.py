@@ -227,7 +227,12 @@ def plot(result: dict, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, part in result["runs"].items():
         if "per_turn" in part:
-            a.plot(range(1, len(part["per_turn"]["ms"]) + 1), part["per_turn"]["ms"], ".", ms=2, label=name)
+            line, = a.plot(range(1, len(part["per_turn"]["ms"]) + 1), part["per_turn"]["ms"], ".", ms=2,
+                           label=f"{name} (taking conversations to the windows)")
+            if part["per_turn"].get("side_by_side"):
+                med = part["per_turn"]["median_ms"]
+                a.plot([int(k) for k in med], list(med.values()), "D-", color=line.get_color(), ms=7,
+                       label=f"{name}: window medians, side by side")
         levels = sorted(part["throughput"], key=int)
         b.plot([int(c) for c in levels], [part["throughput"][c]["steps_per_s"] for c in levels], "o-", label=name)
     a.set(xlabel="turn", ylabel="ms per step (HTTP, instant provider)", yscale="log",
