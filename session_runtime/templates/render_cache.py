@@ -9,7 +9,8 @@ its reasoning, never of what follows it. So a rendering is cut at group ends,
 and a new one that starts with the same message objects, kept the same way,
 under the same system prompt and tools, starts from the ids the old one had
 at the last group end they share. The comparisons run in C (`map` over the
-two lists); a render costs a copy of the shared ids plus the new groups.
+two lists); a render costs a copy of the shared ids plus the new groups, and
+`length` (a step's history length) reads a kept rendering's mark, no copy.
 
 Whether a message's turn keeps its reasoning is, for the runtime's rules, a
 threshold on its turn (`KeepFrom`): where an entry's messages are in turn
