@@ -40,6 +40,8 @@ sys.path.insert(0, str(_HERE.parent))
 from procstat import cpu_s, stat_fields  # noqa: E402
 from report import write_report  # noqa: E402
 
+from session_runtime.backends.sglang.backend import sse_chunks  # noqa: E402
+
 VARIANTS = {"full": (), "no_hints": ("kv_hints",),
             "bare": ("kv_hints", "session_id", "priority", "extra_key", "cache_salt")}
 
@@ -63,13 +65,10 @@ def group_cpu(pgid: int) -> dict[str, float]:
 
 def send(http, body: dict) -> int:
     """One /generate, read to its end; returns the streamed chunks."""
-    chunks = 0
     with http.post("/generate", orjson.dumps(body), {"content-type": "application/json"}) as resp:
         if resp.status >= 400:
             raise RuntimeError(f"/generate: HTTP {resp.status}: {resp.read()[:300]!r}")
-        for line in resp.iter_lines():
-            chunks += line.startswith(b"data:") and line.strip() != b"data: [DONE]"
-    return chunks
+        return sum(1 for _ in sse_chunks(resp.iter_lines()))
 
 
 def window(http, pgid: int, body: dict, n: int) -> dict:

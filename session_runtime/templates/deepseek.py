@@ -129,7 +129,7 @@ class DeepSeekTemplate:
     ) -> Rendered:
         out = self._renders.render(system, tools, messages, keep, lambda o: self._render_head(o, system, tools),
                                    self._render_group)
-        if not generation_prompt and messages and messages[-1].role != "assistant":
+        if _unasked_prompt(messages, generation_prompt):
             last = out.spans.pop()  # the trailing marker is the generation prompt
             del out.ids[last.start :]
         return out
@@ -137,8 +137,8 @@ class DeepSeekTemplate:
     def rendered_length(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
                         keep: KeepReasoning, generation_prompt: bool = True) -> int:
         """len(render(...).ids), without copying a rendering the cache holds."""
-        trailing = not generation_prompt and bool(messages) and messages[-1].role != "assistant"
-        n = self._renders.length(system, tools, messages, keep, without_last_span=trailing)
+        n = self._renders.length(system, tools, messages, keep,
+                                 without_last_span=_unasked_prompt(messages, generation_prompt))
         return n if n is not None else len(self.render(system, tools, messages, keep, generation_prompt).ids)
 
     def _render_head(self, out: Rendered, system: Optional[str], tools: Sequence[dict]) -> None:
@@ -216,3 +216,9 @@ class DeepSeekTemplate:
         reasoning: no reasoning text, ids holding only the answer."""
         answer = self.parse_output(msg.output_ids, "").answer_ids
         return dataclasses.replace(msg, reasoning="", output_ids=(self.end_think, *answer, self.eos))
+
+
+def _unasked_prompt(messages: Sequence[Message], generation_prompt: bool) -> bool:
+    """Does the rendering end with a generation prompt that was not asked for (a
+    group other than an assistant's ends with the assistant's marker)?"""
+    return not generation_prompt and bool(messages) and messages[-1].role != "assistant"

@@ -97,7 +97,7 @@ class Qwen3Template:
     ) -> Rendered:
         out = self._renders.render(system, tools, messages, keep, lambda o: self._render_head(o, system, tools),
                                    self._render_group)
-        if generation_prompt and messages and messages[-1].role != "assistant":
+        if _adds_prompt(messages, generation_prompt):
             out.add("generation_prompt", self._header("assistant"))
         return out
 
@@ -107,7 +107,7 @@ class Qwen3Template:
         n = self._renders.length(system, tools, messages, keep)
         if n is None:
             return len(self.render(system, tools, messages, keep, generation_prompt).ids)
-        return n + (len(self._header("assistant")) if generation_prompt and messages[-1].role != "assistant" else 0)
+        return n + (len(self._header("assistant")) if _adds_prompt(messages, generation_prompt) else 0)
 
     def _render_head(self, out: Rendered, system: Optional[str], tools: Sequence[dict]) -> None:
         if tools:
@@ -187,3 +187,8 @@ class Qwen3Template:
                 continue  # malformed call text stays in the content
         content = text.split("<tool_call>")[0].strip("\n") if calls else text.strip("\n")
         return ParsedOutput(reasoning_ids, answer, content, tuple(calls), ended, reasoning)
+
+
+def _adds_prompt(messages: Sequence[Message], generation_prompt: bool) -> bool:
+    """Does the rendering end with the assistant's header (asked for, after another role's message)?"""
+    return generation_prompt and bool(messages) and messages[-1].role != "assistant"
