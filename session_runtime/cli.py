@@ -110,8 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the longest sequence (prompt plus output) a step may reach; default: the model's "
                             "own limit (max_position_embeddings, or what a given SGLang server derives)")
     serve.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
-                       help="the most tokens one step may generate; a request asking more is refused "
-                            "(default and maximum: --max-context)")
+                       help="the most tokens one step may generate: the ceiling of every request's budget, "
+                            "and the budget of a request that sets none (default and maximum: --max-context)")
+    serve.add_argument("--served-model-name", action="append", default=[], metavar="NAME[,NAME...]",
+                       help="the model names clients may ask for (repeatable, or comma-separated; the first is "
+                            "the one answers name; a request's '[1m]' suffix is ignored); default: --model")
+    serve.add_argument("--session-idle-ttl-s", type=float, default=_DEFAULTS.session_idle_ttl_s, metavar="S",
+                       help="an inferred conversation (a stateless client's, matched by its history) with no "
+                            "request for this long is deleted (0: never); explicit conversations never expire")
     serve.add_argument("--max-body-bytes", type=int, default=_API_DEFAULTS.max_body_bytes, metavar="N",
                        help="larger request bodies are refused with 413 before they are read")
     serve.add_argument("--request-deadline-s", type=float, default=_DEFAULTS.request_deadline_s, metavar="S",
@@ -220,7 +226,17 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         max_conversations_per_tenant=args.max_conversations_per_tenant,
         max_resident_conversations=args.max_resident_conversations,
         max_tenant_bytes=args.max_tenant_bytes, max_tools=args.max_tools, max_tools_bytes=args.max_tools_bytes,
+        served_model_names=served_names(args.served_model_name),
+        session_idle_ttl_s=args.session_idle_ttl_s,
     )
+
+
+def served_names(values: list[str]) -> tuple[str, ...]:
+    """--served-model-name values, each a comma-separated list, in order, once each."""
+    names = [n.strip() for v in values for n in v.split(",")]
+    if any(not n for n in names):
+        raise ValueError(f"--served-model-name takes non-empty names, got {values!r}")
+    return tuple(dict.fromkeys(names))
 
 
 def _advertised(args: argparse.Namespace) -> str:

@@ -150,6 +150,13 @@ class RuntimeConfig:
     # recently used idle ones leave memory and are read back at their next use. 0: no bound.
     max_resident_conversations: int = 4096
     model_id: str = ""  # namespace override; defaults to the model name
+    # The names clients may ask for (--served-model-name), the first the one
+    # answers carry; empty: the model's id alone. The namespace stays model_id's.
+    served_model_names: tuple[str, ...] = ()
+    # An inferred conversation (a stateless client's, matched by its history)
+    # with no request for this long is deleted; its chain retires earlier, as
+    # every idle conversation's does. 0: never.
+    session_idle_ttl_s: float = 86400.0
     # "embedded" (our engine, in process) or "sglang" (SGLang's own server,
     # launched as a child process group, or reached at sglang_url).
     backend: str = "embedded"
@@ -265,6 +272,11 @@ class RuntimeConfig:
             raise ValueError(f"placement_epsilon must be > 0, got {self.placement_epsilon}")
         if self.idle_ttl_s < 0:
             raise ValueError(f"idle_ttl_s must be >= 0, got {self.idle_ttl_s}")
+        if self.session_idle_ttl_s < 0:
+            raise ValueError(f"session_idle_ttl_s must be >= 0, got {self.session_idle_ttl_s}")
+        for name in self.served_model_names:
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError(f"served model names must be non-empty strings, got {name!r}")
         if self.max_tokens_limit is not None and not 1 <= self.max_tokens_limit <= self.max_context:
             raise ValueError(f"max_tokens_limit must be between 1 and max_context ({self.max_context}), "
                              f"got {self.max_tokens_limit}")

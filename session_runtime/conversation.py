@@ -116,6 +116,13 @@ class Conversation:
     shadows: dict = field(default_factory=dict, compare=False)
     version: int = 0  # bumped by every committed step and every adopted history
     worker: Optional[str] = None  # many SGLang workers: the one that holds its chain
+    # Inferred from a stateless client's history (inference.py): the protocol it
+    # came in on; None for a conversation a client created or named.
+    inferred: Optional[str] = None
+    # Its tool calls' ids start with this (then _turn_step_index): an inferred
+    # conversation's are random and in its protocol's form, since the client
+    # echoes them back as they were handed out.
+    call_prefix: str = "call"
     # What the runtime knew of its KV after the last step, for the next step's
     # `uncached` reasons (uncached.py). Not persisted: a restored conversation
     # starts from `restored_known`.

@@ -44,24 +44,32 @@ class RequestChecks:
         self._fits("content", content)
 
     @property
+    def context_limit(self) -> int:
+        """The longest sequence a step may reach (an SGLang server's may be shorter than ours)."""
+        return min(self.config.max_context, getattr(self.backend, "max_context", self.config.max_context))
+
+    @property
     def max_tokens_limit(self) -> int:
         """The most tokens a step may generate: --max-tokens-limit, never more
-        than the context (an SGLang server's may be shorter than ours)."""
-        context = min(self.config.max_context, getattr(self.backend, "max_context", self.config.max_context))
+        than the context."""
+        context = self.context_limit
         return min(self.config.max_tokens_limit or context, context)
 
-    def max_tokens(self, requested: Optional[int], default: int = 64) -> int:
-        """A request's max_tokens: `default` (at most the limit) when None.
-        Raises InvalidRequest above the limit."""
+    def max_tokens(self, requested: Optional[int], default: Optional[int] = 64) -> int:
+        """A request's max_tokens: `default` (at most the limit) when None, and
+        with `default` None the limit itself (the step then clamps it to what
+        remains of the context, as SGLang and vLLM budget a request without a
+        cap). A cap above the context is clamped to it; one above an operator's
+        --max-tokens-limit is refused (InvalidRequest), as is a non-integer."""
         limit = self.max_tokens_limit
         if requested is None:
-            return min(default, limit)
+            return limit if default is None else min(default, limit)
         if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
             raise InvalidRequest(f"max_tokens must be an integer >= 0, got {requested!r}", param="max_tokens")
-        if requested > limit:
+        if self.config.max_tokens_limit is not None and requested > limit:
             raise InvalidRequest(f"max_tokens {requested} is over this server's limit of {limit} "
-                                 "(--max-tokens-limit, at most the context)", param="max_tokens")
-        return requested
+                                 "(--max-tokens-limit)", param="max_tokens")
+        return min(requested, limit)
 
     def _fits(self, name: str, text: str) -> None:
         """Refuse (413) text too long for the context before tokenizing it whole:

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import secrets
 import threading
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -30,6 +31,8 @@ from session_runtime.registry import Conversations
 from session_runtime.templates import Message, Template, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
 from session_runtime import continuation, importer
+from session_runtime.inference import SessionIndex
+from session_runtime.stateless import StatelessSteps
 from session_runtime.inspection import RuntimeInspection
 from session_runtime.persistence import Persistence
 from session_runtime.request_checks import RequestChecks, _utf8
@@ -65,6 +68,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         self._lock = threading.RLock()
         self._inflight: set[Cancellation] = set()  # steps running now: shutdown cancels them
         self._stopping = False
+        self.sessions = SessionIndex(self.config.session_idle_ttl_s)  # inferred conversations (inference.py)
+        self.stateless = StatelessSteps(self, self.sessions)  # stateless requests' way in (stateless.py)
         self.template(self.config.template)  # fail at start, not on the first request
         self._open_store()
 
@@ -108,6 +113,16 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         except BackendUnavailable:
             conv.worker = worker
 
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names clients may ask for the model by (--served-model-name), the first first."""
+        return self.config.served_model_names or (self.model_id,)
+
+    def served_name(self, requested: str) -> Optional[str]:
+        """The served name `requested` means (a `[1m]` suffix ignored), or None."""
+        name = requested[:-4] if requested.endswith("[1m]") else requested
+        return name if name in self.served_names else None
+
     # ----- conversations ------------------------------------------------------
 
     def template(self, name: str) -> Template:
@@ -142,13 +157,16 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         conversation_id: Optional[str] = None,
         stateless: bool = False,
         history: Sequence[dict] = (),
+        inferred: Optional[str] = None,
     ) -> str:
         """Create a conversation; returns its id. `history`: a chat client's
         earlier messages (OpenAI's, without the system one), adopted before the
         conversation is visible to any other request. `stateless`: a throw-away
         one for a single request (many SGLang workers: sglang-router routes its
-        steps). Raises InvalidRequest, or ConversationBusy when `conversation_id`
-        is taken."""
+        steps). `inferred`: the protocol of the stateless client whose history
+        it was inferred from (stateless.py); its tool-call ids are then random,
+        in that protocol's form. Raises InvalidRequest, or ConversationBusy when
+        `conversation_id` is taken."""
         tools = self._check_prompt(system, tools)
         _utf8("tenant", tenant or "")
         self._check_budget(tenant or None)
@@ -167,6 +185,9 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
             policy=ReasoningPolicy(policy or self.config.policy, keep_last_k),
             materialize=MaterializeSettings(materialize, continue_probability=continue_probability),
             offload=OffloadSettings(offload or self.config.offload, ttl_s=ttl_s),
+            inferred=inferred,
+            call_prefix=("toolu_" if inferred == "anthropic" else "call_") + secrets.token_hex(12) if inferred
+            else "call",
         )
         if history:
             self._adopt(conv, conv.system, conv.tools, history)
@@ -218,13 +239,22 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         return True
 
     def chat_step(self, conversation_id: str, request: continuation.ChatInput, *, replace: bool = False,
-                  forced: Optional[dict] = None, **options) -> Step:
+                  forced: Optional[dict] = None, policy: Optional[ReasoningPolicy] = None,
+                  replay: Optional[Callable[[Conversation], Optional[Step]]] = None,
+                  on_commit: Optional[Callable[[Conversation, Step], None]] = None, **options) -> Step:
         """A stateless chat client's request on a stored conversation: check that
         its history continues the conversation (continuation.py), or with
         `replace` make the client's history the conversation's, then run the new
         input as a step (`options` as send_message's). Check, step and commit
         hold the conversation's lock, so concurrent requests run one after the
         other and each sees what the previous one stored.
+
+        Under the lock, first: `replay` may give a step already answered (a
+        client's retry of the last step), returned as it was (its tokens sent to
+        `on_token` again) with nothing run or changed; `policy`, when it differs
+        from the conversation's, becomes its reasoning policy from this step on
+        (the protocol's own control, such as Anthropic's clear_thinking); after
+        the step commits, `on_commit(conv, step)`.
 
         Raises HistoryConflict (409) for another history, ConversationBusy when
         a user message comes while tool calls are pending, ToolCallConflict and
@@ -234,20 +264,43 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         if content is not None:
             self._check_message(content)
         with self._locked(conversation_id) as conv:
+            answered = replay(conv) if replay is not None else None
+            if answered is not None:
+                for token in answered.output_ids if options.get("on_token") else ():
+                    options["on_token"](token)
+                return answered
             before = copy.deepcopy(conv) if replace else None
             if replace:
                 tools = self._check_prompt(request.system, request.tools if request.tools is not None else conv.tools)
                 self._adopt(conv, request.system, tools, request.history)
             else:
                 continuation.check(conv, self.template(conv.template), request)
+            if policy is not None and policy != conv.policy:
+                before = before or conv.snapshot()
+                self._repolicy(conv, policy)
             try:
                 if content is not None:
-                    return self._message_step(conv, content, forced=forced, **options)
-                return self._results_step(conv, request.tool_results(), forced=forced, **options)
+                    step = self._message_step(conv, content, forced=forced, **options)
+                else:
+                    step = self._results_step(conv, request.tool_results(), forced=forced, **options)
             except BaseException:
                 if before is not None:  # nothing of the replaced history was stored: put it back in memory
                     conv.__dict__.update(before.__dict__)
                 raise
+            if on_commit is not None:
+                on_commit(conv, step)
+            return step
+
+    def _repolicy(self, conv: Conversation, policy: ReasoningPolicy) -> None:
+        """Make `policy` the conversation's, in memory (the step that follows
+        persists it): the canonical history is rebuilt from the trace, which
+        kept every turn's reasoning, so the next prompt keeps what the new
+        policy keeps; past the first difference the chain no longer matches and
+        the step prefills from there (the closed turns' rendering forks)."""
+        conv.policy = policy
+        keep = policy.kept_turns(conv.closed_turns)
+        conv.history = [m if m.role != "assistant" or keep(m.turn) or not m.reasoning
+                        else self.template(conv.template).strip_reasoning(m) for m in conv.trace_messages()]
 
     def get(self, conversation_id: str) -> Conversation:
         """Raises ConversationNotFound."""
@@ -294,6 +347,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                 except Exception as exc:
                     raise StorageUnavailable(f"the delete could not be saved, so it did not happen: {exc}") from exc
             self._unstored.delete(conv.id)
+            self.sessions.forget(conv.id)
             self.materializer.cancel(conv.id)
             self.offload.forget(conv.id)
             with self._lock:

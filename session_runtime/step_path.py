@@ -94,6 +94,10 @@ class StepPath:
                 conv.canonical_kind = "canonical"
             keep = conv.policy.kept_turns(conv.closed_turns)
             rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
+            # A budget past the context's end is what remains of it (the answer then ends on length).
+            remaining = max(self.context_limit - len(rendered.ids) - 1, 0)
+            if sampling.max_tokens > remaining and forced is None:
+                sampling = dataclasses.replace(sampling, max_tokens=remaining)
             history_len = tpl.rendered_length(conv.system, conv.tools, conv.history, keep, False) if conv.history else 0
             # No KV here in upstream mode: nothing local to weigh keep against drop by.
             probe_prompts = self._counterfactual_prompts(conv, tpl, new) \
@@ -187,7 +191,7 @@ class StepPath:
                 history_len: int, known: Known) -> Step:
         """Record a successful step in every layer, then close the turn if it ended."""
         step_index = 0 if new[0].role == "user" else len(conv.turns[-1].steps)
-        parsed = tpl.parse_output(result.output, f"call_{turn}_{step_index}")
+        parsed = tpl.parse_output(result.output, f"{conv.call_prefix}_{turn}_{step_index}")
         if result.wire is not None:  # upstream mode: the provider's message and call ids, verbatim
             parsed = dataclasses.replace(parsed, reasoning=result.wire.reasoning, content=result.wire.content,
                                          tool_calls=tuple(result.wire.calls))

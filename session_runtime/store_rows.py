@@ -79,14 +79,15 @@ def head_row(conv: Conversation) -> str:
     """The settings: written when they change (a client's new system prompt or tools)."""
     return compact({"system": conv.system, "tools": conv.tools, "template": conv.template,
                    "policy": plain_dict(conv.policy), "materialize": plain_dict(conv.materialize),
-                   "offload": plain_dict(conv.offload)})
+                   "offload": plain_dict(conv.offload),
+                   **({"inferred": conv.inferred, "call_prefix": conv.call_prefix} if conv.inferred else {})})
 
 
 def head_key(conv: Conversation) -> tuple:
     """What `head_row` is a function of, compared by value (`tools` by identity and length: a
     client's new tools are a new list)."""
     return (conv.system, id(conv.tools), len(conv.tools), conv.template, conv.policy, conv.materialize,
-            conv.offload)
+            conv.offload, conv.inferred)
 
 
 def state_row(conv: Conversation) -> str:
@@ -136,6 +137,7 @@ def _conversation(cid, tenant, worker, head: dict, history, trace, turns, protoc
         policy=ReasoningPolicy(**head["policy"]), materialize=MaterializeSettings(**head["materialize"]),
         offload=OffloadSettings(**head.get("offload", {})), history=history, trace=trace, turns=turns,
         protocol=protocol_of(protocol), worker=worker, version=version,
+        inferred=head.get("inferred"), call_prefix=head.get("call_prefix", "call"),
         canonical_kind="none",  # the KV is gone after a restart: the next step starts from nothing cached
     )
 

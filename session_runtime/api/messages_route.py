@@ -1,13 +1,16 @@
 """`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic
 Messages, served by the local engine through the chat route (api/protocol_routes.py
-has what the protocol routes share). Stateless: each request runs in a
-throw-away conversation.
+has what the protocol routes share). Stateless: each request runs as a step of
+the conversation its history continues (session inference,
+session_runtime/stateless.py), named in the `x-session-runtime-conversation`
+header; mid-conversation system messages, the session key and
+`context_management` are read as api/messages_input.py says.
 
 What this server adds to the chat route's answer, as Anthropic's API does:
 
 - ids of its own: `msg_...` for the message and `toolu_...` for each tool_use
-  block (the engine's call ids live only in the throw-away conversation; a
-  later request's history pairs tool_use and tool_result by the client's ids);
+  block (the inferred conversation's own call ids, random and in Anthropic's
+  form, so the history the client sends back matches the stored one);
 - a `signature` on each thinking block (the server secret's signature of its
   text); a thinking block sent back must carry a signature of this server
   (else 400, as Anthropic refuses a tampered or foreign one), and
@@ -33,7 +36,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from session_runtime.api.auth import current_caller
 from session_runtime.api.lean_route import LeanRoute
+from session_runtime.api.messages_input import applied_edits, fold_system_messages, session_key, thinking_edit
 from session_runtime.api.messages_stream import Translator, anthropic_events
+from session_runtime.api.openai_compat import CONVERSATION_HEADER, Stateless, served_name
 from session_runtime.api.protocol_routes import chat_request, new_id, read_body, reply_of
 from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.settings import Caller
@@ -49,17 +54,27 @@ PROTOCOL = "anthropic"
 _TOOL_CHOICES = ("auto", "any", "tool", "none")
 
 
-def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
+def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
     """The two routes, answering through `chat_router.complete`; `validate`:
     the server answers as that provider (--validate), which takes its model names."""
     router = APIRouter(route_class=LeanRoute)  # the step routes' requests read lean (api/lean_route.py)
     adapter = get_protocol(PROTOCOL)
     as_provider = validate == PROTOCOL
-    served = None if as_provider else model_id  # the provider's model names are taken as the chat route takes them
+
+    def model_of(raw: object) -> str:
+        """The served name the answer carries. Raises ModelNotFound (the provider's names are taken as provider)."""
+        model = raw.get("model") if isinstance(raw, dict) else None
+        if model is None or as_provider:
+            return runtime.served_names[0]
+        return served_name(runtime, model)
 
     def parsed(raw: object, secret: ServerSecret):
-        """The chat route's request for an Anthropic body. Raises InvalidRequest, ModelNotFound."""
-        chat = chat_request(adapter, PROTOCOL, _tool_choice(raw), served)
+        """The chat route's request for an Anthropic body (its system messages
+        folded). Raises InvalidRequest, ModelNotFound."""
+        if isinstance(raw, dict):
+            raw = fold_system_messages(raw)
+        model_of(raw)
+        chat = chat_request(adapter, PROTOCOL, _tool_choice(raw), None)
         _check_thinking(raw, secret)  # the body parsed: its messages and blocks have their shapes
         return chat
 
@@ -71,18 +86,26 @@ def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
         secret: ServerSecret = request.app.state.secret
         stream = _stream(raw)
         chat = parsed(raw, secret)
+        model = model_of(raw)
+        edit = thinking_edit(raw)
+        stateless = Stateless(PROTOCOL, session_key(raw, request.headers), edit.policy if edit else None)
         if stream:
             chat = chat.model_copy(update={"stream": True, "stream_options": {"include_usage": True}})
-        result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel))
+        result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel, stateless))
+        edits = applied_edits(edit, *_cleared(runtime, chat.messages, edit))
         if stream:
             if not isinstance(result, StreamingResponse) or result.status_code != 200:
                 return result  # a refusal already in its final shape
-            translator = Translator(new_id("msg_"), model_id, secret.sign)
+            translator = Translator(new_id("msg_"), model, secret.sign, context_management=edits)
+            headers = {"cache-control": "no-cache", CONVERSATION_HEADER: result.headers.get(CONVERSATION_HEADER, "")}
             return StreamingResponse(anthropic_events(result.body_iterator, translator),
-                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+                                     media_type="text/event-stream", headers=headers)
         if not isinstance(result, dict):
             return result  # a refusal already in its final shape
-        return JSONResponse(adapter.render_response(_answer(reply_of(result), secret), model_id))
+        body = adapter.render_response(_answer(reply_of(result), secret), model)
+        if edits is not None:
+            body["context_management"] = edits
+        return JSONResponse(body, headers={CONVERSATION_HEADER: result.get("conversation_id") or ""})
 
     @router.post(PATH + "/count_tokens", name=PROTOCOL + "-count-tokens")
     async def count_tokens(request: Request, caller: Caller = Depends(current_caller)):
@@ -151,5 +174,24 @@ def _answer(reply: Reply, secret: ServerSecret) -> Reply:
     # An empty reasoning makes no block, as the stream opens none for it.
     reasoning = (Reasoning(text, {"type": "thinking", "thinking": text, "signature": secret.sign(text)}),) \
         if text else None
-    calls = tuple(Call(new_id("toolu_"), c.name, c.arguments) for c in m.calls)
+    # The conversation's own toolu_ ids go out as they are: the client sends them back with the results.
+    calls = tuple(c if c.id.startswith("toolu_") else Call(new_id("toolu_"), c.name, c.arguments) for c in m.calls)
     return dataclasses.replace(reply, message=Msg("assistant", m.content or "", reasoning, calls), id=new_id("msg_"))
+
+
+def _cleared(runtime, messages: list[dict], edit) -> tuple[int, int]:
+    """(turns, tokens) of thinking the edit clears from this request's prompt:
+    the closed turns older than the last `keep_turns` whose assistant
+    messages carry reasoning, and that reasoning's tokens."""
+    if edit is None or edit.keep_turns is None:
+        return 0, 0
+    turns: list[list[str]] = []
+    for m in messages:
+        if m.get("role") == "user":
+            turns.append([])
+        elif m.get("role") == "assistant" and turns and m.get("reasoning_content"):
+            turns[-1].append(m["reasoning_content"])
+    # The last turn is the one this request opens (a user message) or continues (tool results): never cleared.
+    closed = turns[:-1]
+    cleared = [t for t in closed[: max(len(closed) - edit.keep_turns, 0)] if t]
+    return len(cleared), sum(runtime.tokenizer.count(text) for t in cleared for text in t)

@@ -72,8 +72,10 @@ class Translator:
     sent (to sign at the block's end), the finish reason and usage. `chunk`
     and `end` return the SSE events to send."""
 
-    def __init__(self, message_id: str, model: str, sign: Callable[[str], str]):
+    def __init__(self, message_id: str, model: str, sign: Callable[[str], str],
+                 context_management: Optional[dict] = None):
         self.message_id, self.model, self.sign = message_id, model, sign
+        self.context_management = context_management  # the edits applied, for the final message_delta
         self.index = -1  # of the open block; -1 before the first
         self.kind: Optional[str] = None  # the open block's type; None when none is open
         self.thinking = ""
@@ -115,8 +117,10 @@ class Translator:
         if self.finish is None:
             return [error_event({"type": "api_error", "message": "the stream ended before the answer did"})]
         delta = {"stop_reason": STOP_REASON.get(self.finish, "end_turn"), "stop_sequence": None}
-        return self._close() + [sse("message_delta", {"type": "message_delta", "delta": delta,
-                                                      "usage": anthropic_usage(self.usage)}),
+        final = {"type": "message_delta", "delta": delta, "usage": anthropic_usage(self.usage)}
+        if self.context_management is not None:
+            final["context_management"] = self.context_management
+        return self._close() + [sse("message_delta", final),
                                 sse("message_stop", {"type": "message_stop"})]
 
     def _delta(self, kind: str, delta: dict) -> list[str]:
@@ -129,12 +133,14 @@ class Translator:
     def _tool_call(self, call: dict) -> list[str]:
         """A call's first chunk (it has the id) opens a tool_use block; its
         arguments, whole or in pieces, are that block's input_json_deltas.
-        The engine's call ids name calls in its throw-away conversation only:
-        the client gets ids of its own."""
+        The conversation's own toolu_ ids go out as they are (the client sends
+        them back with the results); any other id is replaced."""
         out = []
         if call.get("id") or self.kind != "tool_use":
             name = (call.get("function") or {}).get("name") or ""
-            out += self._open({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}})
+            cid = call.get("id") or ""
+            out += self._open({"type": "tool_use", "id": cid if cid.startswith("toolu_") else new_id("toolu_"),
+                               "name": name, "input": {}})
         arguments = (call.get("function") or {}).get("arguments")
         if arguments:
             out.append(sse("content_block_delta", {"type": "content_block_delta", "index": self.index,

@@ -4,9 +4,10 @@
 body field) maps a stateless client to a conversation's chain: the client's
 history is checked against the conversation's, the trailing user message or
 tool results run as one step, and a history that differs replaces the
-conversation's. Without `conversation_id` the request runs in a throw-away
-conversation whose KV stays in the tree (evictable) for prefix reuse; with
-many SGLang workers it goes through sglang-router, which picks the worker.
+conversation's. Without `conversation_id` the request is a stateless
+client's: it runs as a step of the conversation its history continues, or of
+a new one (session inference, session_runtime/stateless.py). Every answer
+names its conversation in the `x-session-runtime-conversation` header.
 `logprobs` and `top_logprobs` are honoured (top_logprobs on the embedded engine); parameters this
 server cannot honour (`tool_choice` other than auto,
 penalties, `logit_bias`, `response_format`, `stop`, `n` > 1) are refused with
@@ -19,10 +20,11 @@ import contextlib
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_runtime.api.auth import current_caller
@@ -33,6 +35,7 @@ from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable, sse_step
 from session_runtime import continuation
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest
+from session_runtime.policies import ReasoningPolicy
 from session_runtime.protocols.base import CHAT_PROTOCOLS
 from session_runtime.runtime import Runtime
 from session_runtime.step import Step
@@ -41,6 +44,20 @@ class UnknownConversation(ConversationNotFound):
     def __str__(self) -> str:
         return (f"conversation {self.args[0]!r} not found; to create it with this id, send \"create\": true "
                 "with conversation_id")
+
+
+CONVERSATION_HEADER = "x-session-runtime-conversation"
+
+
+@dataclass(frozen=True)
+class Stateless:
+    """How a protocol route's stateless request is to be inferred: the route
+    (its protocol), the harness's session key, and the reasoning policy the
+    protocol's own controls set for this request (None: the conversation's)."""
+
+    protocol: str = "openai-chat"
+    session_key: Optional[str] = None
+    policy: Optional[ReasoningPolicy] = None
 
 
 _FINISH = {"forced": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
@@ -135,18 +152,17 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
     upstream = runtime.backend.name == "upstream"
     created = int(time.time())
 
-    def card() -> dict:
-        return {"id": runtime.model_id, "object": "model", "created": created, "owned_by": "session-runtime"}
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "session-runtime"}
 
     @router.get("/v1/models")
     def models() -> dict:
-        """The one model this server serves, as OpenAI lists models."""
-        return {"object": "list", "data": [card()]}
+        """The model this server serves, under each name it is served as (the first first)."""
+        return {"object": "list", "data": [card(name) for name in runtime.served_names]}
 
     @router.get("/v1/models/{model:path}")
     def model(model: str) -> dict:
-        _check_model(runtime, model)
-        return card()
+        return card(served_name(runtime, model))
 
     @router.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request, caller: Caller = Depends(current_caller)):
@@ -156,40 +172,54 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
             if refused is not None:
                 return refused
             body = body.model_copy(update={"messages": answerable(body.messages), "model": None})
-        return await cancellable(request, lambda cancel: complete(body, caller, cancel))
+        return named(await cancellable(request, lambda cancel: complete(body, caller, cancel)))
 
-    def complete(body: ChatRequest, caller: Caller, cancel):
+    def complete(body: ChatRequest, caller: Caller, cancel, stateless: Stateless = Stateless()):
+        """The chat request's answer: a completion (dict), or a stream whose
+        headers name the conversation. `stateless`: how a request without
+        conversation_id is matched to its conversation."""
         if upstream and not body.conversation_id:  # the client's transcript, to the provider
             return proxy_completion(runtime.backend, request_body(body), record_step)
+        model = runtime.served_names[0]
         if body.model is not None and not upstream:
-            _check_model(runtime, body.model)
+            model = served_name(runtime, body.model)
         if body.stop:
             raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step",
                                  param="stop")
         _refuse_unsupported(body)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = runtime.max_tokens(limit, default=256)  # refused before anything changes
+        # No cap: what remains of the context (at most --max-tokens-limit). Refused before anything changes.
+        max_tokens = runtime.max_tokens(limit, default=None)
         request = continuation.split(body.messages, body.tools)
-        cid, created = _conversation(runtime, body, request, caller)
-        ephemeral = created and not body.conversation_id
+        if body.conversation_id:
+            cid, created = _conversation(runtime, body, request, caller)
+            prepared = None
+        else:
+            if body.create or body.replace:
+                raise InvalidRequest("create and replace need a conversation_id",
+                                     param="create" if body.create else "replace")
+            policy = stateless.policy or (ReasoningPolicy(body.policy) if body.policy else None)
+            prepared = runtime.stateless.prepare(request, tenant=caller.tenant, protocol=stateless.protocol,
+                                                 session_key=stateless.session_key, policy=policy)
+            cid, created = prepared.conversation_id, False
         options = {"max_tokens": max_tokens,
                    "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "logprobs": body.logprobs,
                    "top_logprobs": body.top_logprobs or 0}
-        model = runtime.model_id
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
 
         def run(on_token=None, step_cancel=cancel) -> Step:
             t0 = time.perf_counter()
             try:
-                step = runtime.chat_step(cid, request, replace=body.replace, on_token=on_token, cancel=step_cancel,
-                                         **options)
+                if prepared is not None:
+                    step = runtime.stateless.run(prepared, on_token=on_token, cancel=step_cancel, **options)
+                else:
+                    step = runtime.chat_step(cid, request, replace=body.replace, on_token=on_token,
+                                             cancel=step_cancel, **options)
             except Exception:  # counted where it is answered: the error handlers, or a late stream event
                 if created:  # forget what this request created, unless another request has stepped it since
                     with contextlib.suppress(ConversationNotFound):
                         runtime.delete_conversation(cid, if_version=0)
                 raise
-            if ephemeral:
-                runtime.delete_conversation(cid)
             record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
             return step
 
@@ -205,17 +235,31 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
         tpl = runtime.template(runtime.get(cid).template)
         first = f"data: {json.dumps(_chunk('role', 'assistant', model, rid, usage))}\n\n"
         return StreamingResponse(sse_step(run, tpl, fmt, first, cancel, on_late_error=record_error),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers={CONVERSATION_HEADER: cid})
 
     router.complete = complete  # the other inbound protocols answer through it (api/protocol_routes.py)
     return router
 
 
-def _check_model(runtime: Runtime, model: str) -> None:
-    """Raises ModelNotFound (OpenAI: 404 model_not_found) for another model."""
-    if model != runtime.model_id:
-        raise ModelNotFound(f"the model {model!r} does not exist: this server serves {runtime.model_id!r} "
-                            "(GET /v1/models)", param="model")
+def served_name(runtime: Runtime, model: object) -> str:
+    """The served name a request asked for (`[1m]`, the long-context suffix
+    Claude Code may add, ignored), which its answer carries. Raises
+    ModelNotFound (404) for another model, InvalidRequest for a non-string."""
+    if not isinstance(model, str):
+        raise InvalidRequest("model: expected a string", param="model")
+    name = runtime.served_name(model)
+    if name is None:
+        names = ", ".join(repr(n) for n in runtime.served_names)
+        raise ModelNotFound(f"the model {model!r} does not exist: this server serves {names} (GET /v1/models)",
+                            param="model")
+    return name
+
+
+def named(result):
+    """A chat answer with its conversation named in CONVERSATION_HEADER."""
+    if isinstance(result, dict) and result.get("conversation_id"):
+        return JSONResponse(result, headers={CONVERSATION_HEADER: result["conversation_id"]})
+    return result
 
 
 def _conversation(runtime: Runtime, body: ChatRequest, request: continuation.ChatInput,
@@ -225,11 +269,6 @@ def _conversation(runtime: Runtime, body: ChatRequest, request: continuation.Cha
     ConversationNotFound for an unknown `conversation_id` without `create` (or
     another tenant's), ConversationBusy when `create` names another tenant's."""
     options = dict(tools=request.tools, policy=body.policy, tenant=caller.tenant, history=request.history)
-    if not body.conversation_id:
-        if body.create or body.replace:
-            raise InvalidRequest("create and replace need a conversation_id", param="create" if body.create else "replace")
-        # Throw-away: with many SGLang workers, sglang-router routes its step by the prefix it carries.
-        return runtime.create_conversation(request.system, stateless=True, **options), True
     cid = body.conversation_id
     try:
         conv = runtime.get(cid)

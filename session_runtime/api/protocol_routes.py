@@ -44,14 +44,14 @@ _HISTORY = {"anthropic": ("messages", "at least one message is required"),
             "openai-responses": ("input", "at least one input item is required")}
 
 
-def build_protocol_routes(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
+def build_protocol_routes(chat_router, validate: Optional[str], runtime) -> APIRouter:
     """The routes of ROUTES, each in its own module (api/messages_route.py,
     api/responses_route.py), answering through `chat_router.complete`."""
     from session_runtime.api import messages_route, responses_route
 
     router = APIRouter()
-    router.include_router(messages_route.build(chat_router, validate, model_id))
-    router.include_router(responses_route.build(chat_router, validate, model_id))
+    router.include_router(messages_route.build(chat_router, validate, runtime))
+    router.include_router(responses_route.build(chat_router, validate, runtime))
     return router
 
 

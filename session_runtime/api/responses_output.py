@@ -29,10 +29,13 @@ class OutputIds:
     reasoning: str = field(default_factory=lambda: new_id("rs_", 24))
     message: str = field(default_factory=lambda: new_id("msg_", 24))
     calls: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # The conversation's call ids go out as they are (an inferred conversation's:
+    # random, in this form, echoed back by a client that keeps no state).
+    own_calls: bool = False
 
     def call(self, internal: str) -> tuple[str, str]:
         if internal not in self.calls:
-            self.calls[internal] = (new_id("fc_", 24), new_id("call_", 24))
+            self.calls[internal] = (new_id("fc_", 24), internal if self.own_calls else new_id("call_", 24))
         return self.calls[internal]
 
     def call_ids(self) -> dict[str, str]:

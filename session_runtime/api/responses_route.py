@@ -6,10 +6,12 @@ events, api/responses_stream.py), with ids on the response and every item
 (api/responses_output.py). A request is parsed and checked as the other
 protocol routes check theirs (`chat_request`), then:
 
-- `store: false`: answered in a throw-away conversation, as the chat route
-  answers a request without `conversation_id`; nothing is kept but the KV in
-  the tree (evictable), so a client that sends its whole history again next
-  turn reuses it. Reasoning items come back with `encrypted_content` when
+- `store: false`: a stateless client's request (Codex CLI's), answered as a
+  step of the conversation its history continues, as the chat route answers
+  a request without `conversation_id` (session inference, with
+  `prompt_cache_key` as the session key; stateless.py); `reasoning.context`
+  (`all_turns`: keep, `current_turn`: drop) sets the turn's policy. Call ids
+  are the conversation's own, so the history sent back matches the stored one. Reasoning items come back with `encrypted_content` when
   `include` asks for `reasoning.encrypted_content`; sent back in `input`,
   they are decrypted (the server's own only: any other token is 400).
 - `store: true` (the default, as on OpenAI): the response IS a conversation of
@@ -48,6 +50,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from session_runtime.api.auth import current_caller
 from session_runtime.api.lean_route import LeanRoute
+from session_runtime.api.openai_compat import CONVERSATION_HEADER, Stateless, served_name
 from session_runtime.api.protocol_routes import chat_request, read_body
 from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.responses_errors import (
@@ -60,6 +63,7 @@ from session_runtime.api.responses_stream import ResponseEvents, translate
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable
 from session_runtime.errors import ConversationNotFound, InvalidRequest
+from session_runtime.policies import ReasoningPolicy
 from session_runtime.protocols import get_protocol
 
 PATH = "/v1/responses"
@@ -116,7 +120,7 @@ class _Releasing(StreamingResponse):
             self._release()
 
 
-def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
+def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
     router = APIRouter(route_class=LeanRoute)  # the step routes' requests read lean (api/lean_route.py)
     adapter = get_protocol(PROTOCOL)
     state = _Responses()
@@ -135,8 +139,10 @@ def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
                 return refused
         raw = decrypt_reasoning(raw, request.app.state.secret)
         # As the provider, any of its model names is taken (the chat route drops `model` then too).
-        chat = chat_request(adapter, PROTOCOL, raw, None if as_provider else model_id)
+        chat = chat_request(adapter, PROTOCOL, raw, None)
         assert isinstance(raw, dict)  # chat_request refuses any other body
+        model_id = served_name(runtime, raw["model"]) if raw.get("model") is not None and not as_provider \
+            else runtime.served_names[0]
         store, previous = _flag(raw, "store", True), raw.get("previous_response_id")
         stream = _flag(raw, "stream", False)
         if previous is not None and not isinstance(previous, str):
@@ -147,11 +153,11 @@ def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
                                  param="store")
         include = raw.get("include") if isinstance(raw.get("include"), list) else []
         encrypt = request.app.state.secret.encrypt if ENCRYPTED in include else None
-        runtime = request.app.state.runtime
+        stateless = Stateless(PROTOCOL, _cache_key(raw), _reasoning_policy(raw))
 
         def answer(cancel):
             responses = state.store(runtime)
-            ids = OutputIds()
+            ids = OutputIds(own_calls=previous is None and not store)
             base = shell(raw, ids, model_id, chat.temperature, chat.top_p, store)
             body, cid, release = chat, None, lambda: None
             if previous is not None:
@@ -172,7 +178,7 @@ def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
                     body = chat.model_copy(update={"conversation_id": cid, "create": True})
                 if stream:
                     body = body.model_copy(update={"stream": True, "stream_options": {"include_usage": True}})
-                result = chat_router.complete(body, caller, cancel)
+                result = chat_router.complete(body, caller, cancel, stateless)
             except BaseException:
                 release()
                 raise
@@ -185,7 +191,8 @@ def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
 
             if isinstance(result, StreamingResponse):
                 events = ResponseEvents(base, ids, encrypt, on_done=record)
-                return _Releasing(translate(result.body_iterator, events), release, media_type="text/event-stream")
+                return _Releasing(translate(result.body_iterator, events), release, media_type="text/event-stream",
+                                  headers={CONVERSATION_HEADER: result.headers.get(CONVERSATION_HEADER, "")})
             try:
                 if not isinstance(result, dict):
                     return result  # a refusal already in its final shape
@@ -195,7 +202,7 @@ def build(chat_router, validate: Optional[str], model_id: str) -> APIRouter:
                                       message.get("tool_calls") or [], choice["finish_reason"] == "length", encrypt)
                 response = finished(base, output, choice["finish_reason"], result.get("usage"))
                 record(response)
-                return JSONResponse(response)
+                return JSONResponse(response, headers={CONVERSATION_HEADER: result.get("conversation_id") or ""})
             finally:
                 release()
 
@@ -256,3 +263,26 @@ def _continuing(runtime, responses: ResponseStore, rec: StoredResponse, messages
             f"stored conversation only from its end ({then}); to branch off, send the whole history with "
             "store: false")
     return only_new_input(messages, conv.system, rec.calls)
+
+
+def _cache_key(raw: dict) -> Optional[str]:
+    """`prompt_cache_key`: Codex's session id, the stateless request's session key."""
+    key = raw.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise InvalidRequest("prompt_cache_key: expected a string", param="prompt_cache_key")
+    return key or None
+
+
+_CONTEXTS = {"all_turns": "keep", "current_turn": "drop"}
+
+
+def _reasoning_policy(raw: dict) -> Optional[ReasoningPolicy]:
+    """`reasoning.context`'s policy for the request's turn; None without it (the server's --policy)."""
+    reasoning = raw.get("reasoning")
+    context = reasoning.get("context") if isinstance(reasoning, dict) else None
+    if context is None:
+        return None
+    if context not in _CONTEXTS:
+        raise InvalidRequest(f"reasoning.context: expected one of {', '.join(_CONTEXTS)}, got {context!r}",
+                             param="reasoning.context")
+    return ReasoningPolicy(_CONTEXTS[context])

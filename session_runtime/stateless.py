@@ -1,0 +1,131 @@
+"""Stateless requests as conversations: a harness's request (its whole history,
+no conversation named) served as a step of the conversation it continues.
+
+`StatelessSteps.prepare` finds that conversation (inference.py: the history's
+digest, a retry's, the harness's session key) or creates one holding the
+request's history, before any answer starts (so the answer can name it);
+`run` steps it through `Runtime.chat_step`, which checks the history against
+the stored one under the conversation's lock. A guess the check refuses (a
+race moved the conversation on, an edited or compacted history) falls back to
+the next candidate and finally to a new conversation: a request that matches
+nothing never changes a stored conversation. A retry of the last step (the
+same history and input again) replays that step's answer, never a second turn.
+
+Inferred conversations expire after `--session-idle-ttl-s` without a request,
+and a tenant at its cap loses its least recently used inferred conversation
+rather than having stateless traffic refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from session_runtime import continuation
+from session_runtime.errors import ConversationNotFound, HistoryConflict, TooManyConversations
+from session_runtime.inference import Match, RequestKeys, SessionIndex, request_keys
+from session_runtime.policies import ReasoningPolicy
+from session_runtime.step import Step
+
+_SWEEP_EVERY_S = 5.0
+
+
+@dataclass
+class Prepared:
+    """A stateless request, matched: the conversation it runs on and how it was found."""
+
+    request: continuation.ChatInput
+    tenant: Optional[str]
+    protocol: str
+    session_key: Optional[str]
+    policy: Optional[ReasoningPolicy]
+    keys: RequestKeys
+    conversation_id: str
+    match: Optional[Match]  # None: created for this request (deleted again if its first step fails)
+    tried: set
+
+
+class StatelessSteps:
+    """The runtime's stateless way in. Built with the runtime it steps through
+    (its public methods and `chat_step`'s hooks) and the index it keeps."""
+
+    def __init__(self, runtime, index: SessionIndex):
+        self.runtime = runtime
+        self.index = index
+        self._swept = 0.0
+
+    def prepare(self, request: continuation.ChatInput, *, tenant: Optional[str], protocol: str,
+                session_key: Optional[str] = None, policy: Optional[ReasoningPolicy] = None) -> Prepared:
+        """Find or create the request's conversation. Raises InvalidRequest for
+        a system prompt or tools the runtime refuses, TooManyConversations when
+        the tenant's cap is full of explicit conversations."""
+        self._sweep()
+        tools = self.runtime._check_prompt(request.system, request.tools)
+        keys = request_keys(tenant, self.runtime.config.template, request.system, tools, request.history, request.new)
+        p = Prepared(request, tenant, protocol, session_key, policy, keys, "", None, set())
+        self._choose(p)
+        return p
+
+    def run(self, p: Prepared, **options) -> Step:
+        """The request's step on its conversation (options as send_message's).
+        Raises the step's errors; a conversation created for it is deleted
+        again when its step fails."""
+        for _ in range(4):
+            try:
+                return self.runtime.chat_step(
+                    p.conversation_id, p.request, policy=p.policy, replay=self._replay(p),
+                    on_commit=lambda conv, step: self.index.record(conv, p.protocol, p.keys, p.session_key, step),
+                    **options)
+            except (HistoryConflict, ConversationNotFound):
+                if p.match is None:
+                    raise  # our own new conversation: nothing else can have moved it
+            except BaseException:
+                if p.match is None:
+                    with contextlib.suppress(ConversationNotFound):
+                        self.runtime.delete_conversation(p.conversation_id, if_version=0)
+                raise
+            self._choose(p)  # the guess was wrong, or raced: the next candidate, else a new conversation
+        raise AssertionError("a new conversation's step neither ran nor failed")
+
+    def _choose(self, p: Prepared) -> None:
+        match = self.index.find(p.keys, p.tenant, p.session_key)
+        if match is not None and (match.conversation_id, match.how) not in p.tried:
+            p.conversation_id, p.match = match.conversation_id, match
+        else:
+            p.conversation_id, p.match = self._create(p), None
+        p.tried.add((p.conversation_id, p.match.how if p.match else "new"))
+
+    def _replay(self, p: Prepared) -> Optional[Callable]:
+        if p.match is None or p.match.how != "retry":
+            return None
+        return lambda conv: self.index.retry_step(conv.id, p.keys, conv.version)
+
+    def _create(self, p: Prepared) -> str:
+        policy = p.policy or ReasoningPolicy(self.runtime.config.policy)
+        r = p.request
+        for _ in range(8):
+            try:
+                return self.runtime.create_conversation(
+                    r.system, tools=r.tools, tenant=p.tenant, policy=policy.name, keep_last_k=policy.keep_last_k,
+                    history=r.history, inferred=p.protocol)
+            except TooManyConversations:
+                victim = self.index.least_recent_of(p.tenant)
+                if victim is None:
+                    raise
+                self._delete(victim)
+        raise TooManyConversations("the tenant's conversations could not be made room for")
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._swept < _SWEEP_EVERY_S:
+            return
+        self._swept = now
+        for cid in self.index.expired():
+            self._delete(cid)
+
+    def _delete(self, cid: str) -> None:
+        with contextlib.suppress(ConversationNotFound):
+            self.runtime.delete_conversation(cid)
+        self.index.forget(cid)

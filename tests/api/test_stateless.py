@@ -1,0 +1,140 @@
+"""Stateless clients become conversations (session inference): the official
+SDKs' loops that send their whole history each time are served as steps of
+one conversation, retries replay the last step, other histories start new
+conversations and change no stored one, tenants never share one, and the
+protocols' own reasoning controls set the turn's policy.
+
+One server for the module: every test uses its own system prompt, so no two
+tests' histories meet."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from session_runtime.api.settings import ApiSettings, load_credentials
+from tests.api.conftest import served
+
+HEADER = "x-session-runtime-conversation"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(json.dumps({"key-a": "tenant-a", "key-b": "tenant-b"}))
+    settings = ApiSettings(credentials=load_credentials(None, str(keys), "admin-key"))
+    with served(settings, served_model_names=("claude-sonnet-4-5", "tiny")) as s:
+        yield s
+
+
+@pytest.fixture
+def rt(live):
+    yield live.runtime
+    live.runtime.check_integrity()
+
+
+def system() -> str:
+    return f"You are test {uuid.uuid4().hex[:8]}."
+
+
+def chat(live, messages, key="key-a", **extra) -> httpx.Response:
+    return httpx.post(f"{live.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4, **extra},
+                      headers={"authorization": f"Bearer {key}"}, timeout=120)
+
+
+def test_chat_loop_is_one_conversation(live, rt):
+    sys_msg = {"role": "system", "content": system()}
+    history = [sys_msg, {"role": "user", "content": "Hello there"}]
+    ids = []
+    for turn in range(3):
+        r = chat(live, history)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        ids.append(r.headers[HEADER])
+        assert body["conversation_id"] == ids[-1]
+        assert body["accounting"]["turn"] if "turn" in body["accounting"] else True
+        history += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": f"next {turn}"}]
+    assert len(set(ids)) == 1, ids
+    conv = rt.get(ids[0])
+    assert conv.inferred == "openai-chat"
+    assert [t.index for t in conv.turns] == [0, 1, 2]
+    second = conv.turns[1].steps[0]
+    # The second turn's prompt came from the chain: only the new message and the fork were prefilled.
+    assert second.cached_input_tokens > 0
+    assert second.cached_input_tokens + second.host_loaded_tokens + second.uncached_prefill_tokens == \
+        second.prompt_tokens
+
+
+def test_retry_replays_the_last_step(live, rt):
+    messages = [{"role": "system", "content": system()}, {"role": "user", "content": "Say something"}]
+    first = chat(live, messages)
+    again = chat(live, messages)
+    assert first.status_code == again.status_code == 200
+    cid = first.headers[HEADER]
+    assert again.headers[HEADER] == cid
+    assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    assert len(rt.get(cid).turns) == 1  # a retry is never a second turn
+
+
+def test_other_history_starts_a_new_conversation(live, rt):
+    sys_text = system()
+    first = chat(live, [{"role": "system", "content": sys_text}, {"role": "user", "content": "One"}])
+    cid = first.headers[HEADER]
+    before = rt.describe(cid)
+    answer = first.json()["choices"][0]["message"]["content"]
+    edited = chat(live, [{"role": "system", "content": sys_text}, {"role": "user", "content": "One, edited"},
+                         {"role": "assistant", "content": answer}, {"role": "user", "content": "Two"}])
+    assert edited.status_code == 200
+    assert edited.headers[HEADER] != cid
+    assert rt.describe(cid)["trace"] == before["trace"]  # the stored conversation is unchanged
+
+
+def test_tenants_never_share(live, rt):
+    messages = [{"role": "system", "content": system()}, {"role": "user", "content": "Same words"}]
+    a, b = chat(live, messages, key="key-a"), chat(live, messages, key="key-b")
+    assert a.headers[HEADER] != b.headers[HEADER]
+
+
+def test_openai_sdk_tool_loop(live, rt):
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="key-a")
+    sys_text = system()
+    messages = [{"role": "system", "content": sys_text}, {"role": "user", "content": "Weather in Paris?"}]
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, tools=TOOLS,
+                                                           max_tokens=4)
+    cid = raw.headers[HEADER]
+    done = raw.parse()
+    assert done.model == "tiny"
+    messages.append(done.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "user", "content": "And Oslo?"})
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, tools=TOOLS,
+                                                           max_tokens=4)
+    assert raw.headers[HEADER] == cid
+    assert len(rt.get(cid).turns) == 2
+
+
+def test_anthropic_sdk_loop_and_served_names(live, rt):
+    client = anthropic.Anthropic(base_url=live.url, api_key="key-a")
+    sys_text = system()
+    messages = [{"role": "user", "content": "Hello"}]
+    ids = []
+    for turn in range(2):
+        raw = client.messages.with_raw_response.create(model="claude-sonnet-4-5[1m]", system=sys_text,
+                                                       messages=messages, max_tokens=8)
+        msg = raw.parse()
+        assert msg.model == "claude-sonnet-4-5"
+        assert msg.stop_reason == "max_tokens"
+        assert msg.usage.output_tokens == 8
+        ids.append(raw.headers[HEADER])
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                     {"role": "user", "content": f"more {turn}"}]
+    assert len(set(ids)) == 1
+    assert rt.get(ids[0]).inferred == "anthropic"
