@@ -20,7 +20,15 @@ venv: .venv/.synced
 serve: .venv/.synced
 	.venv/bin/session-runtime serve $(ARGS)
 
-test: .venv/.synced
+# The agent CLIs the harness tests run (tests/harness/package-lock.json); Claude
+# Code's native binary is put in place by its install script, run here in case
+# npm skipped install scripts.
+HARNESS := tests/harness/node_modules/.installed
+$(HARNESS): tests/harness/package.json tests/harness/package-lock.json
+	cd tests/harness && npm ci --no-audit --no-fund --loglevel=error && node node_modules/@anthropic-ai/claude-code/install.cjs
+	touch $@
+
+test: .venv/.synced $(HARNESS)
 	$(PY) -m pytest -q $(ARGS)
 
 bench: .venv/.synced

@@ -45,6 +45,10 @@ from session_runtime.importer import text_content
 from session_runtime.templates.base import Message
 
 _SEP = b"\x1e"
+# A request repeating the last step's input this soon after it is a retry (a
+# harness's, after a lost answer or an error); later, the same words are a new
+# session that happens to start alike, and get a conversation of their own.
+RETRY_WINDOW_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class _Entry:
     session_key: Optional[tuple] = None
     step: Optional[object] = None  # the last step (a Step), replayed to a retry
     version: int = -1  # the conversation's version after that step
+    stepped: float = 0.0  # when that step was recorded
     used: float = field(default_factory=time.monotonic)
 
 
@@ -117,14 +122,17 @@ def _raw(h: "hashlib._Hash", m: dict) -> None:
 
 
 def request_keys(tenant: Optional[str], template: str, system: Optional[str], tools: Sequence[dict],
-                 history: Sequence[dict], new: Sequence[dict]) -> RequestKeys:
-    """The digests of a stateless chat request (OpenAI messages, system apart)."""
+                 history: Sequence[dict], new: Sequence[dict], options: object = None) -> RequestKeys:
+    """The digests of a stateless chat request (OpenAI messages, system apart);
+    `options` (the sampling and output figures, as JSON) count toward the
+    input digest only: the same messages asked for other output are no retry."""
     h = _start(tenant, template, system, tools)
     for m in history:
         _raw(h, m)
     before = h.digest()
     for m in new:
         _raw(h, m)
+    h.update(_SEP + json.dumps(options, sort_keys=True, default=str).encode("utf-8"))
     return RequestKeys(before, h.digest())
 
 
@@ -154,7 +162,7 @@ class SessionIndex:
         digests carry the tenant, so no other tenant's conversation is found."""
         with self._lock:
             cid = self._inputs.get(keys.input)
-            if cid is not None:
+            if cid is not None and self._clock() - self._entries[cid].stepped <= RETRY_WINDOW_S:
                 return Match(cid, "retry")
             cid = self._tails.get(keys.history)
             if cid is not None:
@@ -167,7 +175,8 @@ class SessionIndex:
         has committed since it; else None."""
         with self._lock:
             e = self._entries.get(cid)
-            if e is None or e.input != keys.input or e.version != version:
+            if e is None or e.input != keys.input or e.version != version or \
+                    self._clock() - e.stepped > RETRY_WINDOW_S:
                 return None
             self._touch(cid, e)
             return e.step
@@ -190,7 +199,7 @@ class SessionIndex:
             self._unindex(conv.id, e)
             e.tail, e.input = e.state.digest(), keys.input
             e.session_key = (conv.tenant, session_key) if session_key else None
-            e.step, e.version = step, conv.version
+            e.step, e.version, e.stepped = step, conv.version, self._clock()
             self._tails[e.tail] = conv.id
             self._inputs[e.input] = conv.id
             if e.session_key is not None:

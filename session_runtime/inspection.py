@@ -5,10 +5,11 @@ A mixin of Runtime, kept apart from the code that changes state.
 
 from __future__ import annotations
 
+import bisect
 from typing import Optional
 
 from radix_ext.tree import NodeInfo
-from session_runtime.errors import BackendUnavailable, WorkerNotFound
+from session_runtime.errors import BackendUnavailable, ConversationNotFound, WorkerNotFound
 from session_runtime.metrics import Sample, counter, gauge
 
 
@@ -37,6 +38,7 @@ class RuntimeInspection:
                 "kv_host_bytes": self.backend.host_bytes(conv.id),
             },
             "offload": conv.offload.mode,
+            "inferred": conv.inferred,  # the protocol of the stateless client it was inferred from; None: explicit
             "worker": self.backend.worker_of(conv.id) or conv.worker,
         }
         if tokens:
@@ -49,6 +51,27 @@ class RuntimeInspection:
             out["chain"]["token_ids"] = canonical[: chain_len or 0]
             out["chain"]["sequence_token_ids"] = list(conv.chain_tokens)
         return out
+
+    def list_conversations(self, tenant: Optional[str], everyone: bool = False, after: Optional[str] = None,
+                           limit: int = 100) -> dict:
+        """A page of conversations (the tenant's; `everyone`: every tenant's),
+        by id after `after`: each one's id, tenant, policy, turn count, state
+        and whether it was inferred from a stateless client (its protocol) or
+        named by one (None). `{"data": [...], "has_more": bool}`."""
+        with self._lock:
+            ids = sorted(self.conversations if everyone else self.conversations.ids_of(tenant))
+        if after is not None:
+            ids = ids[bisect.bisect_right(ids, after):]
+        data = []
+        for cid in ids[:limit]:
+            try:
+                conv = self.get(cid)
+            except ConversationNotFound:
+                continue  # deleted since the ids were read
+            data.append({"id": conv.id, "tenant": conv.tenant, "inferred": conv.inferred, "policy": conv.policy.name,
+                         "turns": len(conv.turns), "sequence_tokens": len(conv.chain_tokens),
+                         "state": "tool_wait" if conv.protocol is not None else ("idle" if conv.turns else "new")})
+        return {"data": data, "has_more": len(ids) > limit}
 
     def chain_view(self, conversation_id: str) -> dict:
         """A conversation's chain as the tree page draws it: where it is held
@@ -63,7 +86,7 @@ class RuntimeInspection:
         except BackendUnavailable:
             device, host = None, 0
         return {
-            "id": conv.id, "policy": conv.policy.name, "offload": conv.offload.mode,
+            "id": conv.id, "policy": conv.policy.name, "offload": conv.offload.mode, "inferred": conv.inferred,
             "sequence_tokens": len(conv.chain_tokens), "device_tokens": device, "host_tokens": host,
             "kind": conv.canonical_kind,
             "state": "tool_wait" if conv.protocol is not None else ("idle" if conv.turns else "new"),

@@ -57,13 +57,16 @@ class StatelessSteps:
         self._swept = 0.0
 
     def prepare(self, request: continuation.ChatInput, *, tenant: Optional[str], protocol: str,
-                session_key: Optional[str] = None, policy: Optional[ReasoningPolicy] = None) -> Prepared:
-        """Find or create the request's conversation. Raises InvalidRequest for
+                session_key: Optional[str] = None, policy: Optional[ReasoningPolicy] = None,
+                options: object = None) -> Prepared:
+        """Find or create the request's conversation; `options`: what else
+        the request asks (sampling, streaming), which a retry repeats too. Raises InvalidRequest for
         a system prompt or tools the runtime refuses, TooManyConversations when
         the tenant's cap is full of explicit conversations."""
         self._sweep()
         tools = self.runtime._check_prompt(request.system, request.tools)
-        keys = request_keys(tenant, self.runtime.config.template, request.system, tools, request.history, request.new)
+        keys = request_keys(tenant, self.runtime.config.template, request.system, tools, request.history, request.new,
+                            [options, policy and (policy.name, policy.keep_last_k)])
         p = Prepared(request, tenant, protocol, session_key, policy, keys, "", None, set())
         self._choose(p)
         return p

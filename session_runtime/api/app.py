@@ -16,7 +16,7 @@ import importlib.metadata
 import time
 from typing import Optional
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -122,6 +122,12 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
         fields["tenant"] = tenant_of_new(caller, body.tenant)
         cid = runtime.create_conversation(**fields)
         return runtime.describe(cid)
+
+    @app.get("/v1/conversations")
+    def listing(after: Optional[str] = None, limit: int = Query(100, ge=1, le=1000),
+                caller: Caller = Depends(current_caller)) -> dict:
+        """The caller's conversations (the admin key: every tenant's), explicit and inferred, by id."""
+        return runtime.list_conversations(caller.tenant, everyone=caller.admin, after=after, limit=limit)
 
     @app.get("/v1/conversations/{cid}")
     def get(cid: str, tokens: int = 0, caller: Caller = Depends(current_caller)) -> dict:

@@ -175,7 +175,7 @@ def _answer(reply: Reply, secret: ServerSecret) -> Reply:
     reasoning = (Reasoning(text, {"type": "thinking", "thinking": text, "signature": secret.sign(text)}),) \
         if text else None
     # The conversation's own toolu_ ids go out as they are: the client sends them back with the results.
-    calls = tuple(c if c.id.startswith("toolu_") else Call(new_id("toolu_"), c.name, c.arguments) for c in m.calls)
+    calls = tuple(Call(c.id if c.id.startswith("toolu_") else new_id("toolu_"), c.name, c.arguments) for c in m.calls)
     return dataclasses.replace(reply, message=Msg("assistant", m.content or "", reasoning, calls), id=new_id("msg_"))
 
 

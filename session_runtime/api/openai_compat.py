@@ -199,12 +199,14 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
                 raise InvalidRequest("create and replace need a conversation_id",
                                      param="create" if body.create else "replace")
             policy = stateless.policy or (ReasoningPolicy(body.policy) if body.policy else None)
-            prepared = runtime.stateless.prepare(request, tenant=caller.tenant, protocol=stateless.protocol,
-                                                 session_key=stateless.session_key, policy=policy)
-            cid, created = prepared.conversation_id, False
         options = {"max_tokens": max_tokens,
                    "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "logprobs": body.logprobs,
                    "top_logprobs": body.top_logprobs or 0}
+        if not body.conversation_id:
+            prepared = runtime.stateless.prepare(request, tenant=caller.tenant, protocol=stateless.protocol,
+                                                 session_key=stateless.session_key, policy=policy,
+                                                 options=[options, body.stream])
+            cid, created = prepared.conversation_id, False
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
 
         def run(on_token=None, step_cancel=cancel) -> Step:

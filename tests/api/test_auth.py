@@ -276,7 +276,9 @@ def test_the_openai_route_keeps_each_tenants_cache_apart(clients, keyed):
         for name, oai, extra in (("a", oai_a, {}), ("b-id", oai_b, {"conversation_id": "oracle-b", "create": True}),
                                  ("admin", oai_admin, {}), ("b", oai_b, {}), ("a again", oai_a, {}),
                                  ("a-id", oai_a, {"conversation_id": "oracle-a", "create": True})):
-            r = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=extra)
+            # "a again" asks another cap: the same body again would be a retry of a's step, replayed as it was.
+            r = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=3 if name == "a again" else 2,
+                                            extra_body=extra)
             assert r.usage.prompt_tokens == n
             cached[name] = r.usage.prompt_tokens_details.cached_tokens
     own = (n - 1) // PAGE * PAGE  # the tenant's own whole pages (as for one tenant alone)

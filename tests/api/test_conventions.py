@@ -37,7 +37,7 @@ def test_unknown_routes_and_methods_in_the_session_shape(client):
     assert error_of(client.get("/v1/conversations/x/nowhere"), 404, "not_found") == (
         "no route GET /v1/conversations/x/nowhere")
     r = client.put("/v1/conversations")
-    assert error_of(r, 405, "method_not_allowed") == "PUT is not allowed on /v1/conversations (allowed: POST)"
+    assert error_of(r, 405, "method_not_allowed") == "PUT is not allowed on /v1/conversations (allowed: GET, POST)"
     assert r.headers["allow"] == "POST"
     assert error_of(client.post("/health"), 405, "method_not_allowed").startswith("POST is not allowed on /health")
     # A malformed body keeps the session API's documented 422.
@@ -69,12 +69,13 @@ def test_a_500_says_internal_error_and_logs_the_rest(client, rt, monkeypatch, ca
     with caplog.at_level(logging.ERROR, logger="session_runtime"):
         r = client.post(f"/v1/conversations/{cid}/messages", json={"content": "Hi"})
         assert error_of(r, 500, "internal") == "internal error"
-        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi, broken"}]})
         assert openai_error_of(r, 500, "server_error") == "internal error"
         # Streamed, the step fails before its first token: the same status and body as a plain request.
         r = client.post(f"/v1/conversations/{cid}/messages", json={"content": "Hi", "stream": True})
         assert error_of(r, 500, "internal") == "internal error"
-        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "stream": True})
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi, broken"}],
+                                                      "stream": True})
         assert openai_error_of(r, 500, "server_error") == "internal error"
     assert "secret internals" not in r.text
     assert sum("secret internals" in (rec.exc_text or "") or "secret internals" in str(rec.exc_info) for rec in

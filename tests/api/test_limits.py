@@ -116,18 +116,31 @@ def test_max_tokens_over_the_limit_is_refused(limited):
     before = snapshot(client, cid)
     message = error_of(client.post(f"/v1/conversations/{cid}/messages", json={"content": "Hi", "max_tokens": 9}),
                        422, "invalid_request")
-    assert message == f"max_tokens 9 is over this server's limit of {MAX_TOKENS} (--max-tokens-limit, at most the context)"
+    assert message == f"max_tokens 9 is over this server's limit of {MAX_TOKENS} (--max-tokens-limit)"
     assert snapshot(client, cid) == before
     # Without max_tokens a step generates at most the limit (64 otherwise); at the limit is fine.
     assert step_ok(client.post(f"/v1/conversations/{cid}/messages", json={"content": "Hi"}))["accounting"][
         "output_tokens"] == MAX_TOKENS
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
-    assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS  # 256 otherwise
+    assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS  # the rest of the context otherwise
     count = len(live.runtime.conversations)
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9,
                                                   "conversation_id": "limits-new", "create": True})
     assert openai_error_of(r, 400, "invalid_request_error", None, "max_tokens") == message
     assert len(live.runtime.conversations) == count
+
+
+def test_without_an_operator_limit_a_cap_is_clamped_to_what_remains():
+    """No --max-tokens-limit: a request without a cap gets what remains of the
+    context, and a cap above the context is clamped to what remains (the answer
+    ends on length), as SGLang and vLLM budget it."""
+    with served(max_context=64) as live, httpx.Client(base_url=live.url, timeout=120) as client:
+        messages = [{"role": "user", "content": "Hi"}]
+        for body in ({"messages": messages}, {"messages": messages, "max_tokens": 5000, "temperature": 0.5}):
+            r = client.post("/v1/chat/completions", json=body)
+            usage = r.json()["usage"]
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+            assert usage["prompt_tokens"] + usage["completion_tokens"] == 63
 
 
 def test_the_limit_defaults_to_the_context_and_never_passes_it(capsys):

@@ -169,8 +169,10 @@ def test_a_late_error_is_an_error_event(client, rt, monkeypatch):
 
 def test_an_error_before_the_stream_is_a_plain_http_error(sdk):
     with pytest.raises(anthropic.BadRequestError) as bad:
-        sdk.messages.create(model=MODEL, max_tokens=100_000, messages=[user("Hi")], stream=True)
-    assert bad.value.body["type"] == "error" and "max_tokens 100000 is over" in bad.value.body["error"]["message"]
+        sdk.messages.create(model=MODEL, max_tokens=2, stream=True, messages=[
+            user("Hi"), {"role": "assistant", "content": [{"type": "thinking", "thinking": "x", "signature": "forged"},
+                                                          {"type": "text", "text": "Hello"}]}, user("Again")])
+    assert bad.value.body["type"] == "error" and "Invalid `signature`" in bad.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as bad:
         sdk.messages.create(model=MODEL, max_tokens=2, messages=[user("Hi")], stream="yes")
     assert bad.value.body == anthropic_error("stream: expected a boolean")
@@ -187,7 +189,7 @@ def test_a_tool_use_round_trip(sdk, client, rt, monkeypatch):
     first = sdk.messages.create(model=MODEL, max_tokens=64, system=system, tools=TOOLS, messages=[user("Paris?")])
     assert [b.type for b in first.content] == ["thinking", "tool_use"] and first.stop_reason == "tool_use"
     call = first.content[1]
-    assert re.fullmatch(r"toolu_[0-9a-f]{24}", call.id) and (call.name, call.input) == ("get_weather", {"city": "Paris"})
+    assert re.fullmatch(r"toolu_[0-9a-f]{24}_0_0_0", call.id) and (call.name, call.input) == ("get_weather", {"city": "Paris"})
     history = [user("Paris?"), {"role": "assistant", "content": blocks(first)},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "15 C"}]}]
     raw = sdk.messages.with_raw_response.create(model=MODEL, max_tokens=64, system=system, tools=TOOLS,

@@ -310,7 +310,9 @@ def test_routing_errors_and_a_500_in_anthropics_shape(client, rt, monkeypatch):
         raise RuntimeError("secret internals")
 
     monkeypatch.setattr(rt.backend, "step", broken)
-    r = client.post("/v1/messages", json=VALID["messages"])
+    # A body not sent before: the same body again would be a retry, its step's answer replayed without a step.
+    body = {**VALID["messages"], "messages": [{"role": "user", "content": "A 500, please."}]}
+    r = client.post("/v1/messages", json=body)
     assert (r.status_code, r.json()) == (500, anthropic_error("internal error", "api_error"))
 
 
