@@ -94,6 +94,10 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
         if exc.status_code == 404:
             err = ApiError(404, "not_found", f"no route {method} {path}")
         elif exc.status_code == 405:
+            # Starlette names the first route of the path only; a path may have several (GET and POST).
+            allowed = sorted({m for r in app.router.routes if getattr(r, "methods", None)
+                              and getattr(r, "path_regex", None) and r.path_regex.match(path) for m in r.methods})
+            headers["allow"] = ", ".join(allowed) or headers.get("allow", "")
             err = ApiError(405, "method_not_allowed",
                            f"{method} is not allowed on {path} (allowed: {headers.get('allow', '')})", headers=headers)
         else:

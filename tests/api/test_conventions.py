@@ -38,7 +38,7 @@ def test_unknown_routes_and_methods_in_the_session_shape(client):
         "no route GET /v1/conversations/x/nowhere")
     r = client.put("/v1/conversations")
     assert error_of(r, 405, "method_not_allowed") == "PUT is not allowed on /v1/conversations (allowed: GET, POST)"
-    assert r.headers["allow"] == "POST"
+    assert r.headers["allow"] == "GET, POST"
     assert error_of(client.post("/health"), 405, "method_not_allowed").startswith("POST is not allowed on /health")
     # A malformed body keeps the session API's documented 422.
     r = client.post("/v1/conversations", content=b"{not json", headers={"content-type": "application/json"})
