@@ -37,7 +37,7 @@ import hashlib
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -149,9 +149,13 @@ class SessionIndex:
         self._tails: dict[bytes, str] = {}
         self._inputs: dict[bytes, str] = {}
         self._keys: dict[tuple, str] = {}
+        self.matched: Counter = Counter()  # served requests by how their conversation was found ("new": none)
 
     def __contains__(self, cid: str) -> bool:
         return cid in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def protocol(self, cid: str) -> Optional[str]:
         e = self._entries.get(cid)

@@ -155,6 +155,11 @@ class RuntimeInspection:
             gauge("conversations", len(self.conversations), "Conversations held"),
             gauge("conversations_resident", self.conversations.resident,
                   "Conversations in memory (the others are read from the store at their next use)"),
+            gauge("conversations_inferred", len(self.sessions),
+                  "Conversations inferred from stateless clients' histories (in this process's index)"),
+            *(counter("stateless_requests_total", self.sessions.matched[how],
+                      "Stateless requests served, by how their conversation was found (new: none matched)"
+                      ).labelled(match=how) for how in ("history", "session_key", "retry", "new")),
             counter("materialized_total", stats["done"], "Canonical-branch materializations done"),
             counter("materialize_cancelled_total", stats["cancelled"],
                     "Materializations cancelled before they ran (a newer job or a user step came first)"),

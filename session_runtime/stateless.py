@@ -77,10 +77,12 @@ class StatelessSteps:
         again when its step fails."""
         for _ in range(4):
             try:
-                return self.runtime.chat_step(
+                step = self.runtime.chat_step(
                     p.conversation_id, p.request, policy=p.policy, replay=self._replay(p),
                     on_commit=lambda conv, step: self.index.record(conv, p.protocol, p.keys, p.session_key, step),
                     **options)
+                self.index.matched[p.match.how if p.match else "new"] += 1
+                return step
             except (HistoryConflict, ConversationNotFound):
                 if p.match is None:
                     raise  # our own new conversation: nothing else can have moved it

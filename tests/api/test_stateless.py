@@ -138,3 +138,62 @@ def test_anthropic_sdk_loop_and_served_names(live, rt):
                      {"role": "user", "content": f"more {turn}"}]
     assert len(set(ids)) == 1
     assert rt.get(ids[0]).inferred == "anthropic"
+
+
+def test_listed_and_counted(live, rt):
+    """Inferred conversations are listed to their tenant, marked with their
+    protocol, and the stateless requests counted by how they were matched."""
+    messages = [{"role": "system", "content": system()}, {"role": "user", "content": "List me"}]
+    first = chat(live, messages)
+    cid = first.headers[HEADER]
+    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "again"}]
+    assert chat(live, messages).headers[HEADER] == cid
+
+    def listing(key: str) -> dict:
+        r = httpx.get(f"{live.url}/v1/conversations", headers={"authorization": f"Bearer {key}"},
+                      params={"limit": 1000})
+        assert r.status_code == 200, r.text
+        return {c["id"]: c for c in r.json()["data"]}
+
+    mine = listing("key-a")[cid]
+    assert (mine["inferred"], mine["turns"], mine["tenant"], mine["state"]) == ("openai-chat", 2, "tenant-a", "idle")
+    assert cid not in listing("key-b") and cid in listing("admin-key")
+    metrics = httpx.get(f"{live.url}/metrics", headers={"authorization": "Bearer admin-key"}).text
+    counts = {how: float(line.rsplit(" ", 1)[1]) for how in ("history", "new", "retry", "session_key")
+              for line in metrics.splitlines() if line.startswith(f'session_runtime_stateless_requests_total{{match="{how}"')}
+    assert counts["history"] >= 1 and counts["new"] >= 1, counts
+    assert "session_runtime_conversations_inferred " in metrics
+
+
+def test_clear_thinking_keeps_the_last_turns_thinking(live, rt):
+    """Claude Code's context_management: clear_thinking with keep 1 over two
+    earlier thinking turns clears the older one: the prompt is shorter than
+    under keep all by the cleared tokens, the answer reports one cleared turn,
+    and the prefix before the cleared block is still read from the cache."""
+    sys_text = system()
+    results = {}
+    for key, keep in (("key-a", {"type": "thinking_turns", "value": 1}), ("key-b", "all")):
+        client = anthropic.Anthropic(base_url=live.url, api_key=key)
+        edits = {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": keep}]}}
+        messages = [{"role": "user", "content": "Think about it"}]
+        for turn in range(3):
+            raw = client.messages.with_raw_response.create(
+                model="claude-sonnet-4-5", system=sys_text, messages=messages, max_tokens=6,
+                thinking={"type": "adaptive"}, extra_body={**edits, "temperature": 0})
+            msg = raw.parse()
+            assert msg.content[0].type == "thinking"
+            messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                         {"role": "user", "content": f"and then {turn}"}]
+        results[key] = (raw.headers[HEADER], msg, json.loads(raw.http_response.text))
+    (cid, msg, body), (_, kept, _) = results["key-a"], results["key-b"]
+    applied = body["context_management"]["applied_edits"]
+    assert [e["cleared_thinking_turns"] for e in applied] == [1]
+    cleared = applied[0]["cleared_input_tokens"]
+    assert cleared > 0
+    prompt = msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert prompt < kept.usage.input_tokens + kept.usage.cache_read_input_tokens
+    conv = rt.get(cid)
+    assert len(conv.turns) == 3 and conv.policy.name == "keep_last_k" and conv.policy.keep_last_k == 1
+    step = conv.turns[2].steps[0]
+    assert step.cached_input_tokens + step.host_loaded_tokens >= len(rt.tokenizer.encode(sys_text)) // 16 * 16
