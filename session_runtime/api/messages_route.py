@@ -45,6 +45,7 @@ from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable
 from session_runtime.api.token_count import prompt_tokens
 from session_runtime.errors import InvalidRequest
+from session_runtime.policies import ReasoningPolicy
 from session_runtime.protocols import get_protocol
 from session_runtime.protocols.canonical import Call, Msg, Reasoning, Reply, reasoning_text
 from session_runtime.server_secret import ServerSecret
@@ -110,14 +111,21 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
     @router.post(PATH + "/count_tokens", name=PROTOCOL + "-count-tokens")
     async def count_tokens(request: Request, caller: Caller = Depends(current_caller)):
         """`{"input_tokens": N}`: the prompt tokens, cached or not, that
-        messages.create renders for the same body."""
+        messages.create renders for the same body; with a clear_thinking edit,
+        also `context_management.original_input_tokens`, the count before it."""
         raw = await read_body(request)
         if as_provider and (refused := validation_error(PROTOCOL, raw)) is not None:
             return refused
         chat = parsed(raw, request.app.state.secret)
-        runtime = request.app.state.runtime
-        count = await anyio.to_thread.run_sync(prompt_tokens, runtime, chat.messages, chat.tools, caller.tenant)
-        return {"input_tokens": count}
+        edit = thinking_edit(raw)
+        count = await anyio.to_thread.run_sync(prompt_tokens, runtime, chat.messages, chat.tools, caller.tenant,
+                                               edit.policy if edit else None)
+        if edit is None:
+            return {"input_tokens": count}
+        # Before the edits every thinking block the request holds is in the prompt.
+        original = await anyio.to_thread.run_sync(prompt_tokens, runtime, chat.messages, chat.tools, caller.tenant,
+                                                  ReasoningPolicy("keep"))
+        return {"input_tokens": count, "context_management": {"original_input_tokens": original}}
 
     return router
 

@@ -10,17 +10,22 @@ deleted again, no KV is computed. The count therefore equals the step's
 
 from __future__ import annotations
 
+from typing import Optional
+
 from session_runtime import continuation
+from session_runtime.policies import ReasoningPolicy
 
 
-def prompt_tokens(runtime, messages: list[dict], tools, tenant) -> int:
-    """The prompt tokens of chat `messages` and `tools` for `tenant`. Changes
+def prompt_tokens(runtime, messages: list[dict], tools, tenant, policy: Optional[ReasoningPolicy] = None) -> int:
+    """The prompt tokens of chat `messages` and `tools` for `tenant`, the
+    earlier turns' reasoning kept as `policy` says (None: the server's). Changes
     nothing that outlives the call. Raises what the chat route raises for the
     same history (InvalidRequest, ContextTooLong, TooManyConversations, ...),
     and ToolCallConflict for tool results that answer no pending call."""
     request = continuation.split(messages, tools)
+    chosen = {"policy": policy.name, "keep_last_k": policy.keep_last_k} if policy is not None else {}
     cid = runtime.create_conversation(request.system, stateless=True, tools=request.tools, tenant=tenant,
-                                      history=request.history)
+                                      history=request.history, **chosen)
     try:
         return runtime.prompt_tokens(cid, request)
     finally:
