@@ -266,6 +266,9 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         with self._locked(conversation_id) as conv:
             answered = replay(conv) if replay is not None else None
             if answered is not None:
+                if options.get("on_prefill"):
+                    acc = answered.accounting
+                    options["on_prefill"](acc.prompt_tokens, (acc.cached_input_tokens or 0) + acc.host_loaded_tokens)
                 for token in answered.output_ids if options.get("on_token") else ():
                     options["on_token"](token)
                 return answered
@@ -372,6 +375,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         logprobs: bool = False,
         forced: Optional[dict] = None,
         on_token: Optional[Callable[[int], None]] = None,
+        on_prefill: Optional[Callable[[int, int], None]] = None,
         cancel: Optional[Cancellation] = None,
         top_p: float = 1.0,
         top_logprobs: int = 0,
@@ -387,16 +391,18 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         self._check_message(content)
         with self._locked(conversation_id) as conv:
             return self._message_step(conv, content, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                      logprobs=logprobs, forced=forced, on_token=on_token, cancel=cancel,
+                                      logprobs=logprobs, forced=forced, on_token=on_token, on_prefill=on_prefill,
+                                      cancel=cancel,
                                       top_p=top_p, top_logprobs=top_logprobs)
 
     def _message_step(self, conv: Conversation, content: str, *, max_tokens=None, temperature=0.0, seed=None,
-                      logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0, top_logprobs=0) -> Step:
+                      logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0, top_logprobs=0,
+                      on_prefill=None) -> Step:
         """send_message's step, the conversation's lock held."""
         new = self._user_message(conv, content)
         return self._step(conv, new, new[0].turn,
                           self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs),
-                          forced, on_token, cancel)
+                          forced, on_token, cancel, on_prefill)
 
     def _user_message(self, conv: Conversation, content: str) -> list[Message]:
         """The user message that opens the conversation's next turn. Raises
@@ -418,6 +424,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         logprobs: bool = False,
         forced: Optional[dict] = None,
         on_token: Optional[Callable[[int], None]] = None,
+        on_prefill: Optional[Callable[[int, int], None]] = None,
         cancel: Optional[Cancellation] = None,
         top_p: float = 1.0,
         top_logprobs: int = 0,
@@ -429,17 +436,18 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         """
         with self._locked(conversation_id) as conv:
             return self._results_step(conv, results, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                      logprobs=logprobs, forced=forced, on_token=on_token, cancel=cancel,
+                                      logprobs=logprobs, forced=forced, on_token=on_token, on_prefill=on_prefill,
+                                      cancel=cancel,
                                       top_p=top_p, top_logprobs=top_logprobs)
 
     def _results_step(self, conv: Conversation, results: Sequence[dict], *, max_tokens=None, temperature=0.0,
                       seed=None, logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0,
-                      top_logprobs=0) -> Step:
+                      top_logprobs=0, on_prefill=None) -> Step:
         """send_tool_results' step, the conversation's lock held."""
         msgs = self._result_messages(conv, results)
         return self._step(conv, msgs, msgs[0].turn, self._sampling(conv, max_tokens, temperature, seed, logprobs,
                                                                     top_p, top_logprobs),
-                          forced, on_token, cancel)
+                          forced, on_token, cancel, on_prefill)
 
     def _result_messages(self, conv: Conversation, results: Sequence[dict]) -> list[Message]:
         """The tool messages answering every pending call, in the calls' order.

@@ -59,7 +59,7 @@ class StepPath:
 
     def _step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
               forced: Optional[dict], on_token: Optional[Callable[[int], None]] = None,
-              cancel: Optional[Cancellation] = None) -> Step:
+              cancel: Optional[Cancellation] = None, on_prefill: Optional[Callable[[int, int], None]] = None) -> Step:
         """One step; `cancel` (or the request deadline) stops it between tokens,
         and then it changes nothing."""
         self._check_budget(conv.tenant)
@@ -71,13 +71,14 @@ class StepPath:
                 raise ShuttingDown("the server is shutting down")
             self._inflight.add(cancel)
         try:
-            return self._run_step(conv, new, turn, sampling, forced, on_token, cancel)
+            return self._run_step(conv, new, turn, sampling, forced, on_token, cancel, on_prefill)
         finally:
             with self._lock:
                 self._inflight.discard(cancel)
 
     def _run_step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
-                  forced: Optional[dict], on_token: Optional[Callable[[int], None]], cancel: Cancellation) -> Step:
+                  forced: Optional[dict], on_token: Optional[Callable[[int], None]], cancel: Cancellation,
+                  on_prefill: Optional[Callable[[int, int], None]] = None) -> Step:
         tpl = self.template(conv.template)
         forced_ids = self._forced_ids(tpl, forced)
         ns = self.namespace(conv)
@@ -117,7 +118,7 @@ class StepPath:
                     owner=conv.id, prompt=rendered.ids, namespace=ns, sampling=sampling,
                     forced=forced_ids, history_len=history_len,
                     cache_output=conv.policy.caches_output, hold_chain=conv.policy.holds_chain,
-                    on_token=on_token, cancel=cancel, transcript=transcript,
+                    on_token=on_token, on_prefill=on_prefill, cancel=cancel, transcript=transcript,
                     probe_prompts=probe_prompts if in_step else (),
                 )
             )

@@ -155,7 +155,7 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
         if not body.stream:
             return timed(call, cid, first_arg, cancel=cancel, **body.options())
 
-        def run(on_token, stream_cancel):
+        def run(on_token, stream_cancel, on_prefill=None):
             t0 = time.perf_counter()
             step = call(cid, first_arg, on_token=on_token, cancel=stream_cancel, **body.options())
             metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from session_runtime.api.auth import current_caller
 from session_runtime.api.lean_route import LeanRoute
 from session_runtime.api.messages_input import applied_edits, fold_system_messages, session_key, thinking_edit
-from session_runtime.api.messages_stream import Translator, anthropic_events
+from session_runtime.api.messages_stream import Translator
 from session_runtime.api.openai_compat import CONVERSATION_HEADER, Stateless, served_name
 from session_runtime.api.protocol_routes import chat_request, new_id, read_body, reply_of
 from session_runtime.api.proxy_routes import validation_error
@@ -90,17 +90,18 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
         model = model_of(raw)
         edit = thinking_edit(raw)
         stateless = Stateless(PROTOCOL, session_key(raw, request.headers), edit.policy if edit else None)
-        if stream:
-            chat = chat.model_copy(update={"stream": True, "stream_options": {"include_usage": True}})
-        result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel, stateless))
         edits = applied_edits(edit, *_cleared(runtime, chat.messages, edit))
+        render = None
+        if stream:
+            chat = chat.model_copy(update={"stream": True})
+            render = Translator(new_id("msg_"), model, secret.sign, context_management=edits).render
+        result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel, stateless,
+                                                                                render))
         if stream:
             if not isinstance(result, StreamingResponse) or result.status_code != 200:
                 return result  # a refusal already in its final shape
-            translator = Translator(new_id("msg_"), model, secret.sign, context_management=edits)
-            headers = {"cache-control": "no-cache", CONVERSATION_HEADER: result.headers.get(CONVERSATION_HEADER, "")}
-            return StreamingResponse(anthropic_events(result.body_iterator, translator),
-                                     media_type="text/event-stream", headers=headers)
+            result.headers["cache-control"] = "no-cache"
+            return result  # the step's events in Anthropic's, rendered by the Translator
         if not isinstance(result, dict):
             return result  # a refusal already in its final shape
         body = adapter.render_response(_answer(reply_of(result), secret), model)

@@ -1,30 +1,34 @@
 """Anthropic's streaming events for `POST /v1/messages` with `stream: true`,
-translated from the chat route's stream of chat.completion.chunk lines.
+rendered from the step's typed events (api/streaming.py: prefill, reasoning
+and content deltas, the step or an error).
 
 The sequence, as Anthropic sends it: `message_start` (the message with an
 empty content and the usage known so far), `ping`, then per content block
 `content_block_start`, its deltas and `content_block_stop`, then
 `message_delta` (stop_reason and the final usage) and `message_stop`.
-reasoning_content deltas become a `thinking` block whose last delta is a
+Reasoning deltas become a `thinking` block whose last delta is a
 `signature_delta` (the server's signature of its whole text), content deltas a
-`text` block, tool calls `tool_use` blocks with `input_json_delta`s. An error
-after the stream started is Anthropic's `event: error`; one before it never
-reaches here (the chat route raises it, and the error handlers answer it).
+`text` block, the step's tool calls `tool_use` blocks with an
+`input_json_delta`. An error after the stream started is Anthropic's
+`event: error`; one before it never reaches here (the step raises it, and the
+error handlers answer it).
 
-The split of the prompt into cached and uncached tokens is known only once the
-step has matched its prefix, which the chat route reports with its last chunk:
-`message_start` therefore says 0 input tokens and `message_delta` carries the
-step's real figures (input, cache reads, output), which Anthropic's SDK merges
-into the final message.
+`message_start` is sent once the step's prompt is matched and prefilled (the
+prefill event), so it carries the real `input_tokens` (uncached),
+`cache_read_input_tokens` and `cache_creation_input_tokens` (0: the three sum to
+the prompt), as Claude Code's context display reads them there; `message_delta` repeats them with the
+output tokens.
 """
 
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import Callable, Iterator, Optional
 
+from session_runtime.api.openai_compat import FINISH, tool_calls
 from session_runtime.api.protocol_routes import new_id
-from session_runtime.api.streaming import chat_chunks
+from session_runtime.api.streaming import Event, Prefill
+from session_runtime.step import Step
 
 # OpenAI's finish_reason -> Anthropic's stop_reason.
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
@@ -40,19 +44,20 @@ def sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def anthropic_usage(usage: Optional[dict]) -> dict:
-    """A chat completion's usage in Anthropic's names: `input_tokens` is the
-    uncached part of the prompt, `cache_read_input_tokens` the cached part,
-    and the reasoning tokens `output_tokens_details.thinking_tokens`."""
-    usage = usage or {}
-    prompt = usage.get("prompt_tokens") or 0
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    out = {"input_tokens": prompt - cached, "cache_read_input_tokens": cached,
-           "output_tokens": usage.get("completion_tokens") or 0}
-    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
-    if isinstance(reasoning, int):
-        out["output_tokens_details"] = {"thinking_tokens": reasoning}
-    return out
+def _input_usage(prompt: int, cached: int) -> dict:
+    # The three input figures sum to the prompt, as Anthropic's do.
+    return {"input_tokens": prompt - cached, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def step_usage(step: Step) -> dict:
+    """A step's usage in Anthropic's names: `input_tokens` is the uncached
+    part of the prompt, `cache_read_input_tokens` the part reused from the
+    cache (device or host), and the reasoning tokens
+    `output_tokens_details.thinking_tokens`."""
+    acc = step.accounting
+    cached = (acc.cached_input_tokens or 0) + acc.host_loaded_tokens
+    return {**_input_usage(acc.prompt_tokens, cached), "output_tokens": acc.output_tokens,
+            "output_tokens_details": {"thinking_tokens": step.reasoning_tokens}}
 
 
 def error_event(error: dict) -> str:
@@ -83,31 +88,35 @@ class Translator:
         self.usage: Optional[dict] = None
         self.failed = False
 
-    def start(self) -> list[str]:
+    def start(self, prefill: Optional[Prefill]) -> list[str]:
+        """message_start (with the prompt's usage when the prefill is known) and a ping."""
+        usage = _input_usage(prefill.prompt_tokens, prefill.cached_tokens) if prefill else _input_usage(0, 0)
         message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
         return [sse("message_start", {"type": "message_start", "message": message}), sse("ping", {"type": "ping"})]
 
-    def chunk(self, chunk: dict) -> list[str]:
-        if "error" in chunk:
-            self.failed = True
-            return [error_event(chunk["error"] if isinstance(chunk["error"], dict) else {})]
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        out: list[str] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self._delta("thinking", {"type": "thinking_delta", "thinking": delta["reasoning_content"]})
-                self.thinking += delta["reasoning_content"]
-            if delta.get("content"):
-                out += self._delta("text", {"type": "text_delta", "text": delta["content"]})
-            for call in delta.get("tool_calls") or ():
-                out += self._tool_call(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-        return out
+    def render(self, events: Iterator[Event]) -> Iterator[str]:
+        """Anthropic's SSE events for the step's typed events."""
+        started = False
+        for kind, value in events:
+            if not started:
+                yield from self.start(value if kind == "prefill" else None)
+                started = True
+            if kind == "reasoning":
+                yield from self._delta("thinking", {"type": "thinking_delta", "thinking": value})
+                self.thinking += value
+            elif kind == "content":
+                yield from self._delta("text", {"type": "text_delta", "text": value})
+            elif kind == "error":
+                yield error_event({"code": value.kind, "message": value.message,
+                                   "type": "invalid_request_error" if value.status < 500 else "api_error"})
+                return
+            elif kind == "step":
+                for call in tool_calls(value):
+                    yield from self._tool_call(call)
+                self.finish = FINISH.get(value.finish_reason, "stop")
+                self.usage = step_usage(value)
+        yield from self.end()
 
     def end(self) -> list[str]:
         """The closing events; an `error` event instead when the chat stream
@@ -117,7 +126,7 @@ class Translator:
         if self.finish is None:
             return [error_event({"type": "api_error", "message": "the stream ended before the answer did"})]
         delta = {"stop_reason": STOP_REASON.get(self.finish, "end_turn"), "stop_sequence": None}
-        final = {"type": "message_delta", "delta": delta, "usage": anthropic_usage(self.usage)}
+        final = {"type": "message_delta", "delta": delta, "usage": self.usage}
         if self.context_management is not None:
             final["context_management"] = self.context_management
         return self._close() + [sse("message_delta", final),
@@ -165,22 +174,3 @@ class Translator:
             self.thinking = ""
         self.kind = None
         return out + [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
-
-
-async def anthropic_events(chat_lines: AsyncIterator[Union[str, bytes]], translator: Translator) -> AsyncIterator[str]:
-    """Anthropic's events for the chat route's SSE body. Closing this iterator
-    (the client went away) closes `chat_lines`, which cancels the step."""
-    try:
-        for event in translator.start():
-            yield event
-        async for chunk in chat_chunks(chat_lines):
-            for out in translator.chunk(chunk):
-                yield out
-            if translator.failed:
-                return
-        for event in translator.end():
-            yield event
-    finally:
-        close = getattr(chat_lines, "aclose", None)
-        if close is not None:
-            await close()

@@ -32,7 +32,7 @@ from session_runtime.api.errors import ModelNotFound, openai_body
 from session_runtime.api.lean_route import LeanRoute
 from session_runtime.api.proxy_routes import answerable, proxy_completion, request_body, validation_error
 from session_runtime.api.settings import Caller
-from session_runtime.api.streaming import cancellable, sse_step
+from session_runtime.api.streaming import Render, cancellable, sse_step
 from session_runtime import continuation
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest
 from session_runtime.policies import ReasoningPolicy
@@ -60,7 +60,8 @@ class Stateless:
     policy: Optional[ReasoningPolicy] = None
 
 
-_FINISH = {"forced": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
+# The runtime's finish reasons -> OpenAI's.
+FINISH = {"forced": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 class ChatRequest(BaseModel):
@@ -85,7 +86,8 @@ class ChatRequest(BaseModel):
     replace: bool = False  # with conversation_id: the client's history replaces the stored one
 
 
-def _tool_calls(step: Step) -> list[dict]:
+def tool_calls(step: Step) -> list[dict]:
+    """A step's tool calls in OpenAI's shape (arguments as JSON text)."""
     return [{"id": c["id"], "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
             for c in step.tool_calls]
@@ -136,10 +138,10 @@ def _refuse_unsupported(body: "ChatRequest") -> None:
 def completion(step: Step, model: str, rid: str, decode: Callable[[list[int]], str]) -> dict:
     message = {"role": "assistant", "content": step.content, "reasoning_content": step.reasoning}
     if step.tool_calls:
-        message["tool_calls"] = _tool_calls(step)
+        message["tool_calls"] = tool_calls(step)
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": _FINISH.get(step.finish_reason, "stop"),
+        "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(step.finish_reason, "stop"),
                      "logprobs": _logprobs(step, decode)}],
         "usage": _usage(step), "conversation_id": step.conversation_id,
         "accounting": step.accounting.as_dict(),
@@ -174,10 +176,13 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
             body = body.model_copy(update={"messages": answerable(body.messages), "model": None})
         return named(await cancellable(request, lambda cancel: complete(body, caller, cancel)))
 
-    def complete(body: ChatRequest, caller: Caller, cancel, stateless: Stateless = Stateless()):
+    def complete(body: ChatRequest, caller: Caller, cancel, stateless: Stateless = Stateless(),
+                 render: Optional[Render] = None):
         """The chat request's answer: a completion (dict), or a stream whose
         headers name the conversation. `stateless`: how a request without
-        conversation_id is matched to its conversation."""
+        conversation_id is matched to its conversation; `render`: another
+        protocol's rendering of the step's typed events (api/streaming.py), for
+        a stream in that protocol's events instead of chat chunks."""
         if upstream and not body.conversation_id:  # the client's transcript, to the provider
             return proxy_completion(runtime.backend, request_body(body), record_step)
         model = runtime.served_names[0]
@@ -209,14 +214,15 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
             cid, created = prepared.conversation_id, False
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
 
-        def run(on_token=None, step_cancel=cancel) -> Step:
+        def run(on_token=None, step_cancel=cancel, on_prefill=None) -> Step:
             t0 = time.perf_counter()
             try:
                 if prepared is not None:
-                    step = runtime.stateless.run(prepared, on_token=on_token, cancel=step_cancel, **options)
+                    step = runtime.stateless.run(prepared, on_token=on_token, on_prefill=on_prefill,
+                                                 cancel=step_cancel, **options)
                 else:
                     step = runtime.chat_step(cid, request, replace=body.replace, on_token=on_token,
-                                             cancel=step_cancel, **options)
+                                             on_prefill=on_prefill, cancel=step_cancel, **options)
             except Exception:  # counted where it is answered: the error handlers, or a late stream event
                 if created:  # forget what this request created, unless another request has stepped it since
                     with contextlib.suppress(ConversationNotFound):
@@ -236,7 +242,9 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
         fmt = lambda kind, value: _chunk(kind, value, model, rid, usage, runtime.tokenizer.decode)  # noqa: E731
         tpl = runtime.template(runtime.get(cid).template)
         first = f"data: {json.dumps(_chunk('role', 'assistant', model, rid, usage))}\n\n"
-        return StreamingResponse(sse_step(run, tpl, fmt, first, cancel, on_late_error=record_error),
+        if render is not None:
+            first = ""
+        return StreamingResponse(sse_step(run, tpl, fmt, first, cancel, on_late_error=record_error, render=render),
                                  media_type="text/event-stream", headers={CONVERSATION_HEADER: cid})
 
     router.complete = complete  # the other inbound protocols answer through it (api/protocol_routes.py)
@@ -303,8 +311,8 @@ def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False,
     if kind == "error":
         return {"error": openai_body(value)[1]}
     step: Step = value
-    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(_tool_calls(step))]} if step.tool_calls else {}
-    choice = {"index": 0, "delta": delta, "finish_reason": _FINISH.get(step.finish_reason, "stop")}
+    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls(step))]} if step.tool_calls else {}
+    choice = {"index": 0, "delta": delta, "finish_reason": FINISH.get(step.finish_reason, "stop")}
     if step.logprobs is not None and decode is not None:
         choice["logprobs"] = _logprobs(step, decode)  # all of them, with the finish
     final = {**base, "choices": [choice],

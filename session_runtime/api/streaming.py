@@ -12,6 +12,7 @@ import json
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator, Optional, TypeVar, Union
 
 import anyio
@@ -28,6 +29,22 @@ Format = Callable[[str, object], dict]  # (kind, payload) -> event body
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """A step's prompt, matched and prefilled, before its first output token."""
+
+    prompt_tokens: int
+    cached_tokens: int  # reused from the cache (device, or reloaded from the host)
+
+
+# A step's typed events, in order: ("prefill", Prefill) once the prompt is matched
+# (absent where a backend cannot tell), ("reasoning" | "content", text delta) as
+# tokens decode, then ("step", Step) or ("error", ApiError). Each protocol route
+# renders them in its own wire format (a Render).
+Event = tuple[str, object]
+Render = Callable[[Iterator[Event]], Iterator[str]]
+
+
 def session_event(kind: str, payload: object) -> dict:
     if kind == "step":
         return {"type": "step", **payload.as_dict()}
@@ -36,21 +53,24 @@ def session_event(kind: str, payload: object) -> dict:
     return {"type": kind, "delta": payload}
 
 
-def sse_step(run: Callable[[Callable[[int], None], Cancellation], Step], tpl: Template,
+def sse_step(run: Callable[..., Step], tpl: Template,
              fmt: Format = session_event, first: str = "", cancel: Optional[Cancellation] = None,
-             on_late_error: Callable[[], None] = lambda: None) -> AsyncIterator[str]:
-    """Start `run(on_token, cancel)` on its own thread and wait for its first
-    event: a step that fails before its first token raises here, so the client
+             on_late_error: Callable[[], None] = lambda: None, render: Optional[Render] = None) -> AsyncIterator[str]:
+    """Start `run(on_token, cancel, on_prefill)` on its own thread and wait for
+    its first event: a step that fails before it raises here, so the client
     gets the error's status instead of a 200 stream. Then return the SSE lines
-    (after `first`), ending with `data: [DONE]`; an error after the first token
-    is an `error` event (and `on_late_error()`: the error handlers never see it).
-    When the client goes away before the end, the step is cancelled."""
+    (after `first`): `render(events)` of the step's typed events, or by
+    default each event but the prefill as `data: {fmt(kind, value)}`, ending
+    with `data: [DONE]`. An error after the first event is an `error` event
+    (and `on_late_error()`: the error handlers never see it). When the client
+    goes away before the end, the step is cancelled."""
     events: queue.Queue = queue.Queue()
     cancel = cancel or Cancellation()
 
     def worker() -> None:
         try:
-            events.put(("step", run(lambda tok: events.put(("token", tok)), cancel)))
+            events.put(("step", run(lambda tok: events.put(("token", tok)), cancel,
+                                    lambda n, cached: events.put(("prefill", Prefill(n, cached))))))
         except RuntimeErrorBase as exc:
             events.put(("error", exc))
         except Exception as exc:  # an engine bug: reported rather than hang the stream, logged where it is answered
@@ -60,7 +80,8 @@ def sse_step(run: Callable[[Callable[[int], None], Cancellation], Step], tpl: Te
     head = events.get()
     if head[0] == "error":
         raise head[1]  # nothing was sent yet: the error handlers answer with its status
-    return _until_disconnect(_lines(events, tpl, fmt, head, on_late_error), cancel, first)
+    typed = step_events(events, tpl, head, on_late_error)
+    return _until_disconnect(render(typed) if render is not None else _lines(typed, fmt), cancel, first)
 
 
 async def _until_disconnect(lines: Iterator[str], cancel: Cancellation, first: str) -> AsyncIterator[str]:
@@ -96,13 +117,19 @@ async def cancellable(request: Request, fn: Callable[[Cancellation], T]) -> T:
         watcher.cancel()
 
 
-def _lines(events: queue.Queue, tpl: Template, fmt: Format, head: tuple,
-           on_late_error: Callable[[], None]) -> Iterator[str]:
+def step_events(events: queue.Queue, tpl: Template, head: tuple,
+                on_late_error: Callable[[], None]) -> Iterator[Event]:
+    """The step's typed events (Event) from the worker's queue: tokens parsed
+    by the template into reasoning and content deltas (text that may still
+    become tool-call markup held back until the step ends)."""
     ids: list[int] = []
     sent = {"reasoning": "", "content": ""}
     while True:
         kind, value = head if head is not None else events.get()
         head = None
+        if kind == "prefill":
+            yield kind, value
+            continue
         if kind == "error":
             on_late_error()
             if not isinstance(value, RuntimeErrorBase):  # its text goes to the log only
@@ -114,16 +141,23 @@ def _lines(events: queue.Queue, tpl: Template, fmt: Format, head: tuple,
             for field, text in (("reasoning", parsed.reasoning), ("content", parsed.content)):
                 text = safe_prefix(text, tpl.call_marker if field == "content" else "")
                 if len(text) > len(sent[field]) and text.startswith(sent[field]):
-                    yield f"data: {json.dumps(fmt(field, text[len(sent[field]):]), ensure_ascii=False)}\n\n"
+                    yield field, text[len(sent[field]):]
                     sent[field] = text
             continue
         if kind == "step":  # flush what was held back, now that the output is whole
             for field, text in (("reasoning", value.reasoning), ("content", value.content)):
                 if len(text) > len(sent[field]) and text.startswith(sent[field]):
-                    yield f"data: {json.dumps(fmt(field, text[len(sent[field]):]), ensure_ascii=False)}\n\n"
-        yield f"data: {json.dumps(fmt(kind, value), ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
+                    yield field, text[len(sent[field]):]
+        yield kind, value
         return
+
+
+def _lines(events: Iterator[Event], fmt: Format) -> Iterator[str]:
+    """The chat route's and the session API's SSE lines: each event but the prefill, then [DONE]."""
+    for kind, value in events:
+        if kind != "prefill":
+            yield f"data: {json.dumps(fmt(kind, value), ensure_ascii=False)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def chat_chunks(lines: AsyncIterator[Union[str, bytes]]) -> AsyncIterator[dict]:

@@ -155,6 +155,9 @@ class StepRequest:
     cache_output: bool = True  # False: cache only the prompt (SGLang --strip-thinking-cache)
     hold_chain: bool = True  # False: lock nothing after the step (SGLang: no sessions)
     on_token: Optional[Callable[[int], None]] = None  # called with each output token (streaming)
+    # Called once the prompt is matched and prefilled, before the first output token:
+    # (prompt tokens, those reused from the cache, device or host). Streams report usage early by it.
+    on_prefill: Optional[Callable[[int, int], None]] = None
     background: bool = False  # idle-time work (a canonical branch): ranks below user steps
     cancel: Optional[Cancellation] = None  # checked between tokens
     transcript: Optional[Transcript] = None  # backends that answer from messages (wants_transcript)

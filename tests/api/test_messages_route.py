@@ -113,15 +113,19 @@ def test_the_stream_is_anthropics_event_sequence_and_says_what_the_plain_answer_
             EVENTS.validate_python(data)
     start = events[0][1]["message"]
     assert re.fullmatch(r"msg_[0-9a-f]{24}", start["id"]) and start["id"] != plain.id
-    assert (start["content"], start["model"], start["usage"]) == ([], MODEL, {"input_tokens": 0, "output_tokens": 0})
+    # message_start is sent once the prompt is matched and prefilled: the real input figures, the first page cached.
+    prompt = first_prompt_len(rt, system, "Tell me")
+    assert (start["content"], start["model"], start["usage"]) == ([], MODEL, {
+        "input_tokens": prompt - 16, "cache_read_input_tokens": 16, "cache_creation_input_tokens": 0,
+        "output_tokens": 0})
     deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
     assert {d["type"] for d in deltas[:-1]} == {"thinking_delta"} and deltas[-1]["type"] == "signature_delta"
     assert "".join(d["thinking"] for d in deltas[:-1]) == plain.content[0].thinking
     assert deltas[-1]["signature"] == plain.content[0].signature
-    # Anthropic's cumulative usage at the end; the prompt's first page is cached by now.
-    prompt = first_prompt_len(rt, system, "Tell me")
+    # Anthropic's cumulative usage at the end.
     assert events[-2][1] == {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-                             "usage": {"input_tokens": prompt - 16, "cache_read_input_tokens": 16, "output_tokens": 8,
+                             "usage": {"input_tokens": prompt - 16, "cache_read_input_tokens": 16,
+                                       "cache_creation_input_tokens": 0, "output_tokens": 8,
                                        "output_tokens_details": {"thinking_tokens": 8}}}
     assert plain.usage.input_tokens + plain.usage.cache_read_input_tokens == prompt
 

@@ -76,8 +76,8 @@ def test_streamed_deltas_equal_the_step(rt):
     async def read(it):
         return [line async for line in it]
 
-    stream = sse_step(lambda on_token, cancel: rt.send_message(cid, "go", forced=forced, on_token=on_token,
-                                                              cancel=cancel), tpl)
+    stream = sse_step(lambda on_token, cancel, on_prefill: rt.send_message(
+        cid, "go", forced=forced, on_token=on_token, cancel=cancel, on_prefill=on_prefill), tpl)
     lines = asyncio.run(read(stream))
 
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]

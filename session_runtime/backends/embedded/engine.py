@@ -278,6 +278,8 @@ class Engine(HostTierOps, Backend):
         self._sync()
         prefill_s = time.perf_counter() - t
         model_s += prefill_s
+        if req.on_prefill is not None:
+            req.on_prefill(n, m)  # m: matched on the device, host pages reloaded before the step included
         if req.return_logits:
             kept_logits.append(logits)
 

@@ -133,6 +133,8 @@ class SGLangBackend(Backend):
                 ids = chunk.get("output_ids") or []
                 if first_t is None and (ids or forced is not None):
                     first_t = now
+                    if req.on_prefill is not None:  # SGLang's meta_info has the prefix match from the first chunk on
+                        req.on_prefill(n, min(int((chunk.get("meta_info") or {}).get("cached_tokens") or 0), n))
                 for tok in ids[len(output):]:
                     if req.on_token is not None and forced is None:
                         req.on_token(tok)
