@@ -93,7 +93,8 @@ def tool_calls(step: Step) -> list[dict]:
             for c in step.tool_calls]
 
 
-def _usage(step: Step) -> dict:
+def chat_usage(step: Step) -> dict:
+    """A step's usage in Chat Completions' names."""
     acc = step.accounting
     return {"prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.output_tokens,
             "total_tokens": acc.prompt_tokens + acc.output_tokens,
@@ -143,7 +144,7 @@ def completion(step: Step, model: str, rid: str, decode: Callable[[list[int]], s
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(step.finish_reason, "stop"),
                      "logprobs": _logprobs(step, decode)}],
-        "usage": _usage(step), "conversation_id": step.conversation_id,
+        "usage": chat_usage(step), "conversation_id": step.conversation_id,
         "accounting": step.accounting.as_dict(),
     }
 
@@ -318,5 +319,5 @@ def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False,
     final = {**base, "choices": [choice],
              "conversation_id": step.conversation_id}
     if usage:
-        final["usage"] = _usage(step)
+        final["usage"] = chat_usage(step)
     return final

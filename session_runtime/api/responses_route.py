@@ -59,7 +59,7 @@ from session_runtime.api.responses_errors import (
 from session_runtime.api.responses_input import ENCRYPTED, decrypt_reasoning, only_new_input
 from session_runtime.api.responses_output import OutputIds, finished, output_items, shell
 from session_runtime.api.responses_store import ResponseStore, StoredResponse
-from session_runtime.api.responses_stream import ResponseEvents, translate
+from session_runtime.api.responses_stream import ResponseEvents
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable
 from session_runtime.errors import ConversationNotFound, InvalidRequest
@@ -176,22 +176,24 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
                                                                                chat.messages)})
                 elif store:
                     body = chat.model_copy(update={"conversation_id": cid, "create": True})
+
+                def record(response: dict) -> None:
+                    if cid is not None:
+                        conv = runtime.get(cid)
+                        responses.put(StoredResponse(ids.response, cid, conv.tenant, len(conv.trace),
+                                                     ids.call_ids(), response))
+
+                render = None
                 if stream:
-                    body = body.model_copy(update={"stream": True, "stream_options": {"include_usage": True}})
-                result = chat_router.complete(body, caller, cancel, stateless)
+                    body = body.model_copy(update={"stream": True})
+                    render = ResponseEvents(base, ids, encrypt, on_done=record).render
+                result = chat_router.complete(body, caller, cancel, stateless, render)
             except BaseException:
                 release()
                 raise
 
-            def record(response: dict) -> None:
-                if cid is not None:
-                    conv = runtime.get(cid)
-                    responses.put(StoredResponse(ids.response, cid, conv.tenant, len(conv.trace), ids.call_ids(),
-                                                 response))
-
-            if isinstance(result, StreamingResponse):
-                events = ResponseEvents(base, ids, encrypt, on_done=record)
-                return _Releasing(translate(result.body_iterator, events), release, media_type="text/event-stream",
+            if isinstance(result, StreamingResponse):  # the step's events in Responses', rendered by ResponseEvents
+                return _Releasing(result.body_iterator, release, media_type="text/event-stream",
                                   headers={CONVERSATION_HEADER: result.headers.get(CONVERSATION_HEADER, "")})
             try:
                 if not isinstance(result, dict):

@@ -1,5 +1,5 @@
-"""A streamed `/v1/responses` answer: the chat route's chat.completion.chunk
-lines translated into Responses' events, in the order OpenAI sends them:
+"""A streamed `/v1/responses` answer: the step's typed events (api/streaming.py)
+rendered as Responses' events, in the order OpenAI sends them:
 
     response.created, response.in_progress,
     reasoning: output_item.added, content_part.added (reasoning_text),
@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import AsyncIterator, Callable, Optional
+from typing import Callable, Iterator, Optional
 
-from session_runtime.api.streaming import chat_chunks
+from session_runtime.api.openai_compat import FINISH, chat_usage, tool_calls
+from session_runtime.api.streaming import Event
 from session_runtime.api.responses_output import (
     Encrypt, OutputIds, call_item, failed, finished, message_item, reasoning_item, reasoning_part, text_part,
 )
 
 
 class ResponseEvents:
-    """Turns chat chunks into Responses events; `on_done(response)` is called with
+    """Renders a step's typed events as Responses events; `on_done(response)` is called with
     the finished response before `response.completed` goes out (the route
     stores it then)."""
 
@@ -53,20 +54,21 @@ class ResponseEvents:
         return [self.event("response.created", response=self.base),
                 self.event("response.in_progress", response=self.base)]
 
-    def chunk(self, chunk: dict) -> list[str]:
-        """The events of one chat.completion.chunk body (or its error body)."""
-        if "error" in chunk:
-            return self.fail(chunk["error"] if isinstance(chunk["error"], dict) else {})
-        out: list[str] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self._delta("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                out += self._delta("message", delta["content"])
-            if choice.get("finish_reason") is not None:
-                out += self._finish(delta.get("tool_calls") or [], choice["finish_reason"], chunk.get("usage"))
-        return out
+    def render(self, events: Iterator[Event]) -> Iterator[str]:
+        """Responses' events for the step's typed events (the prefill has no event of its own here)."""
+        yield from self.start()
+        for kind, value in events:
+            if kind == "reasoning":
+                yield from self._delta("reasoning", value)
+            elif kind == "content":
+                yield from self._delta("message", value)
+            elif kind == "error":
+                yield from self.fail({"code": value.kind, "message": value.message})
+                return
+            elif kind == "step":
+                yield from self._finish(tool_calls(value), FINISH.get(value.finish_reason, "stop"), chat_usage(value))
+        if not self.ended:  # the events ended without the step
+            yield from self.fail({"message": "the step ended without an answer"})
 
     def fail(self, error: dict) -> list[str]:
         self.ended = True
@@ -147,22 +149,3 @@ class ResponseEvents:
         self.ended = True
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return out + [self.event(kind, response=response)]
-
-
-async def translate(lines: AsyncIterator[str], events: ResponseEvents) -> AsyncIterator[str]:
-    """The chat route's SSE lines (`data: {chunk}` ... `data: [DONE]`) as
-    Responses events. Closing this iterator closes `lines`, which cancels the
-    step when the client went away before its end."""
-    try:
-        for e in events.start():
-            yield e
-        async for chunk in chat_chunks(lines):
-            for e in events.chunk(chunk):
-                yield e
-        if not events.ended:  # the chat stream ended without a final chunk
-            for e in events.fail({"message": "the step ended without an answer"}):
-                yield e
-    finally:
-        close = getattr(lines, "aclose", None)
-        if close is not None:
-            await close()

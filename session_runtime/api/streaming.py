@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterator, Optional, TypeVar, Union
+from typing import AsyncIterator, Callable, Iterator, Optional, TypeVar
 
 import anyio
 from starlette.concurrency import iterate_in_threadpool
@@ -158,25 +158,6 @@ def _lines(events: Iterator[Event], fmt: Format) -> Iterator[str]:
         if kind != "prefill":
             yield f"data: {json.dumps(fmt(kind, value), ensure_ascii=False)}\n\n"
     yield "data: [DONE]\n\n"
-
-
-async def chat_chunks(lines: AsyncIterator[Union[str, bytes]]) -> AsyncIterator[dict]:
-    """The chat route's SSE body (`data: {chunk}` events, then `data: [DONE]`)
-    as chunk objects, however the body is cut into pieces: an event ends at a
-    blank line, and a piece may hold several events or part of one. The other
-    protocol routes translate these into their own events."""
-    buffer = ""
-    async for piece in lines:
-        buffer += piece.decode("utf-8") if isinstance(piece, bytes) else piece
-        *events, buffer = buffer.split("\n\n")
-        for event in events:
-            for line in event.splitlines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    return
-                yield json.loads(data)
 
 
 def safe_prefix(text: str, marker: str) -> str:
