@@ -24,7 +24,7 @@ waiting (or idle), so pressure can move it out again.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from radix_ext.host_tier import HostEntry, HostTier, pick_shared, tail_nodes, timed_ms
 from radix_ext.kv_copy import KVMover
@@ -130,6 +130,35 @@ class SchedulerHostTier:
         tokens = max(0, min(reused, got["anchor"] + got["tokens"]) - got["anchor"])
         self.host.stats.shared_tokens += tokens
         return {"anchor": got["anchor"], "tokens": tokens}
+
+    def nodes(self, cache, preview: Callable, owner: Optional[str] = None, preview_tokens: int = 16) -> list:
+        """The tree nodes of host-resident tails (residency "host"), as the tree
+        had them when they left the device (ids, sizes, hits), hanging from their
+        anchors: a snapshot lists them after the device nodes (parents first).
+        A tail whose chain no longer hangs at its anchor (stale, dropped at the
+        next promote) is left out. Read-only."""
+        if self.host is None:
+            return []
+        from radix_ext.tree import NodeInfo
+
+        with self.host.lock:
+            entries = [e for e in self.host.entries.values()
+                       if not e.on_device and (owner is None or e.owner == owner)]
+        out, now = [], time.monotonic()
+        for e in entries:
+            if e.owner not in cache.chains or cache.chain_tokens(e.owner) != e.anchor_tokens:
+                continue
+            parent, depth = (e.anchor_node_id if e.anchor_tokens else None), e.anchor_tokens
+            for node in e.nodes:
+                offset = depth - e.anchor_tokens
+                depth += node.tokens
+                out.append(NodeInfo(id=node.id, parent=parent, tokens=node.tokens, depth_tokens=depth,
+                                    preview=preview(list(e.tokens[offset : offset + min(node.tokens, preview_tokens)])),
+                                    hit_count=node.hit_count, lock_count=0,
+                                    last_access_age_s=round(now - e.moved_at, 3), residency="host",
+                                    owners=(e.owner,), namespace=e.namespace[0], cache_salt=e.namespace[1]))
+                parent = node.id
+        return out
 
     def forget(self, owner: str) -> None:
         self.waiting.pop(owner, None)

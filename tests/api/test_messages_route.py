@@ -202,6 +202,11 @@ def test_a_tool_use_round_trip(sdk, client, rt, monkeypatch):
     assert [(b.type, getattr(b, "text", None)) for b in second.content] == [("thinking", None),
                                                                              ("text", ANSWER["content"])]
     assert second.stop_reason == "end_turn"
+    # The stateless requests are one conversation: the tool result continued the turn its user message opened.
+    cid = raw.headers["x-session-runtime-conversation"]
+    turns = client.get(f"/v1/conversations/{cid}").json()["turns"]
+    assert [len(t["steps"]) for t in turns] == [2] and turns[0]["closed"]
+    assert client.get(f"/v1/conversations/{cid}").json()["inferred"] == "anthropic"
     counted = sdk.messages.count_tokens(model=MODEL, system=system, tools=TOOLS, messages=history).input_tokens
     assert counted == second.usage.input_tokens + second.usage.cache_read_input_tokens
     assert second.usage.cache_read_input_tokens > 0  # the first request's prompt and call, kept in the tree
