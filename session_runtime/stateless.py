@@ -19,6 +19,7 @@ rather than having stateless traffic refused.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -55,6 +56,11 @@ class StatelessSteps:
         self.runtime = runtime
         self.index = index
         self._swept = 0.0
+        # Conversations created for a request whose step has not committed yet, by
+        # its input digest: the same request racing in meanwhile (a harness's
+        # retry) waits for that step and replays it instead of creating another.
+        self._creating: dict[bytes, str] = {}
+        self._creating_lock = threading.Lock()
 
     def prepare(self, request: continuation.ChatInput, *, tenant: Optional[str], protocol: str,
                 session_key: Optional[str] = None, policy: Optional[ReasoningPolicy] = None,
@@ -75,6 +81,14 @@ class StatelessSteps:
         """The request's step on its conversation (options as send_message's).
         Raises the step's errors; a conversation created for it is deleted
         again when its step fails."""
+        try:
+            return self._run(p, options)
+        finally:
+            with self._creating_lock:
+                if self._creating.get(p.keys.input) == p.conversation_id:
+                    del self._creating[p.keys.input]
+
+    def _run(self, p: Prepared, options: dict) -> Step:
         for _ in range(4):
             try:
                 step = self.runtime.chat_step(
@@ -96,6 +110,10 @@ class StatelessSteps:
 
     def _choose(self, p: Prepared) -> None:
         match = self.index.find(p.keys, p.tenant, p.session_key)
+        if match is None:
+            with self._creating_lock:
+                racing = self._creating.get(p.keys.input)
+            match = Match(racing, "retry") if racing is not None else None
         if match is not None and (match.conversation_id, match.how) not in p.tried:
             p.conversation_id, p.match = match.conversation_id, match
         else:
@@ -103,7 +121,8 @@ class StatelessSteps:
         p.tried.add((p.conversation_id, p.match.how if p.match else "new"))
 
     def _replay(self, p: Prepared) -> Optional[Callable]:
-        if p.match is None or p.match.how != "retry":
+        # A new conversation too: the same request racing in may have taken its lock first and run the step.
+        if p.match is not None and p.match.how != "retry":
             return None
         return lambda conv: self.index.retry_step(conv.id, p.keys, conv.version)
 
@@ -112,9 +131,12 @@ class StatelessSteps:
         r = p.request
         for _ in range(8):
             try:
-                return self.runtime.create_conversation(
+                cid = self.runtime.create_conversation(
                     r.system, tools=r.tools, tenant=p.tenant, policy=policy.name, keep_last_k=policy.keep_last_k,
                     history=r.history, inferred=p.protocol)
+                with self._creating_lock:
+                    self._creating.setdefault(p.keys.input, cid)
+                return cid
             except TooManyConversations:
                 victim = self.index.least_recent_of(p.tenant)
                 if victim is None:

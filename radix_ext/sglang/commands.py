@@ -192,6 +192,8 @@ class Commands:
         return {"released": held}
 
     def _cmd_snapshot(self, args: dict, scheduler: Any) -> dict:
+        """The tree's nodes (or `owner`'s chain's), parents first, then those of
+        tails on the host tier (residency "host")."""
         owner = args.get("owner")
         if owner is not None and not isinstance(owner, str):
             raise BadCommand("owner must be a string")
@@ -199,6 +201,8 @@ class Commands:
         if not isinstance(preview, int) or not 0 <= preview <= 256:
             raise BadCommand("preview_tokens must be an integer in [0, 256]")
         nodes = self.snapshot(preview=list, owner=owner, preview_tokens=preview)
+        # A tail moved to the host tier (a tool wait, an idle chain) left the tree: its nodes are listed as "host".
+        nodes += self.offload.nodes(self, preview=list, owner=owner, preview_tokens=preview)
         return {"nodes": [dataclasses.asdict(n) for n in nodes]}
 
     def _cmd_check(self, args: dict, scheduler: Any) -> dict:

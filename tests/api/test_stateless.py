@@ -200,10 +200,34 @@ def test_clear_thinking_keeps_the_last_turns_thinking(live, rt):
     assert prompt < whole
     # count_tokens renders the request's text (the reasoning tokenized again, which for the tiny preset's
     # gibberish need not give back the generated ids): the same edit, counted on text.
-    # (Within a token or two of the step's prompts; the cleared reasoning, and its <think>, counted alike.)
+    # The tiny preset's reasoning is byte soup whose text may tokenize to far more ids than were generated, so
+    # the counts are compared with each other: they differ by the cleared reasoning (and its <think>).
     original, edited = counted["context_management"]["original_input_tokens"], counted["input_tokens"]
-    assert abs(edited - prompt) <= 2 and abs(original - whole) <= 3 and cleared <= original - edited <= cleared + 1
+    assert cleared <= original - edited <= cleared + 1
     conv = rt.get(cid)
     assert len(conv.turns) == 3 and conv.policy.name == "keep_last_k" and conv.policy.keep_last_k == 1
     step = conv.turns[2].steps[0]
     assert step.cached_input_tokens + step.host_loaded_tokens >= len(rt.tokenizer.encode(sys_text)) // 16 * 16
+
+
+def test_racing_retries_store_one_turn(live, rt):
+    """The same first request sent four times at once (a harness retrying
+    before its first answer came): one conversation, one turn, one answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    messages = [{"role": "system", "content": system()}, {"role": "user", "content": "Race me"}]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: chat(live, messages), range(4)))
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    ids = {r.headers[HEADER] for r in answers}
+    assert len(ids) == 1, ids
+    assert len(rt.get(ids.pop()).turns) == 1
+    assert len({json.dumps(r.json()["choices"][0]["message"]) for r in answers}) == 1
+    # Later steps race the same way: the continuation four times at once is one second turn.
+    cid = answers[0].headers[HEADER]
+    messages += [{"role": "assistant", "content": answers[0].json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "Again"}]
+    with ThreadPoolExecutor(4) as pool:
+        again = list(pool.map(lambda _: chat(live, messages), range(4)))
+    assert [r.status_code for r in again] == [200] * 4 and {r.headers[HEADER] for r in again} == {cid}
+    assert len(rt.get(cid).turns) == 2
