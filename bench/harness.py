@@ -181,7 +181,7 @@ REASONING = (
     "maybe its tokenizer path or some cached prefix handling differs between branches: checking every caller "
     "would cost minutes hence one targeted grep over source files seems wiser; after that result arrives "
     "my plan is reading whichever function matches plus comparing it against recent commits while writing down "
-    "hypotheses for verifying individually with small experiments until everything agrees"
+    "hypotheses for verifying individually with small experiments until everything agrees!"
 )
 ANSWER = "Let me search our workspace now!"
 CALL = '<tool_call>{"name":"search","arguments":{}}</tool_call>'
@@ -196,7 +196,7 @@ def qwen_tokenizer():
 def output_chain(tok) -> tuple[list[int], int]:
     """The model's output ids (distinct) and how many of them end the answer's text."""
     ids = tok.encode(REASONING + "\n</think>\n\n" + ANSWER + CALL + "<|im_end|>")
-    dup = {tok.decode([i]) for i in ids if ids.count(i) > 1}
+    dup = {tok.decode([i]) for i in ids if ids.count(i) > 1 or i in tok.encode("\n")}
     assert not dup, f"the chain repeats tokens {dup}: edit REASONING/ANSWER"
     answer_end = len(tok.encode(REASONING + "\n</think>\n\n" + ANSWER))
     assert ids[:answer_end] == tok.encode(REASONING + "\n</think>\n\n" + ANSWER)
@@ -318,7 +318,7 @@ def start_sglang(args, folder: Path, workdir: Path) -> tuple[Group, str]:
             "--max-total-tokens", str(args.pool_tokens), "--context-length", str(args.max_context),
             "--max-running-requests", "8", "--radix-cache-backend", "session", "--enable-priority-scheduling",
             "--sleep-on-idle", "--random-seed", "0", "--enable-cache-report", "--reasoning-parser", "qwen3",
-            "--tool-call-parser", "qwen25", "--served-model-name", MODEL_NAME]
+            "--tool-call-parser", "hermes", "--served-model-name", MODEL_NAME]
     env = {**os.environ, CPU_PLATFORM_ENV: "1", "OMP_NUM_THREADS": str(args.threads)}
     g = Group(argv, workdir / "sglang.log", env)
     url = f"http://127.0.0.1:{port}"
@@ -733,7 +733,7 @@ def main() -> None:
                   "<think>\\n in the generation prompt and compact tool-call markup"},
         "servers": {"sglang_start_s": round(sglang_start, 1), "runtime_start_s": round(runtime_start, 1),
                     "sglang_flags": "--radix-cache-backend session --enable-cache-report --reasoning-parser qwen3 "
-                                    "--tool-call-parser qwen25 --sleep-on-idle --enable-priority-scheduling "
+                                    "--tool-call-parser hermes --sleep-on-idle --enable-priority-scheduling "
                                     "(tokenizer on: its /v1/messages route needs it)",
                     "runtime_flags": "serve --backend sglang --sglang-url <that server> --template hf --offload never"},
         "arms": arms,

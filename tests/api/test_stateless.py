@@ -47,7 +47,7 @@ def system() -> str:
 
 def chat(live, messages, key="key-a", **extra) -> httpx.Response:
     return httpx.post(f"{live.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4, **extra},
-                      headers={"authorization": f"Bearer {key}"}, timeout=120)
+                      headers={"authorization": f"Bearer {key}"} if key else {}, timeout=120)
 
 
 def test_chat_loop_is_one_conversation(live, rt):
@@ -231,3 +231,30 @@ def test_racing_retries_store_one_turn(live, rt):
         again = list(pool.map(lambda _: chat(live, messages), range(4)))
     assert [r.status_code for r in again] == [200] * 4 and {r.headers[HEADER] for r in again} == {cid}
     assert len(rt.get(cid).turns) == 2
+
+
+def test_a_tenant_at_its_cap_loses_its_oldest_inferred_conversation(monkeypatch):
+    """Stateless traffic is never refused for the tenant's conversation cap:
+    the least recently used inferred conversation makes room. An explicit
+    conversation is never evicted for it, and inferred ones expire after the
+    idle TTL (their records deleted)."""
+    import session_runtime.stateless as stateless
+
+    with served(max_conversations_per_tenant=3, session_idle_ttl_s=60) as live:
+        rt = live.runtime
+        explicit = rt.create_conversation("An explicit one.")
+        ids = []
+        for i in range(4):
+            r = chat(live, [{"role": "system", "content": system()}, {"role": "user", "content": f"n{i}"}], key=None)
+            assert r.status_code == 200, r.text
+            ids.append(r.headers[HEADER])
+        # Cap 3: the explicit conversation and the two most recent inferred ones.
+        assert set(rt.conversations) == {explicit, ids[2], ids[3]}
+        # An hour later (the index's clock and the sweep's), the inferred ones are gone; the explicit one stays.
+        clock = rt.sessions._clock
+        monkeypatch.setattr(rt.sessions, "_clock", lambda: clock() + 3600)
+        monkeypatch.setattr(stateless.time, "monotonic", lambda: clock() + 3600)
+        r = chat(live, [{"role": "system", "content": system()}, {"role": "user", "content": "late"}], key=None)
+        assert r.status_code == 200
+        assert set(rt.conversations) == {explicit, r.headers[HEADER]}
+        rt.check_integrity()
