@@ -258,3 +258,34 @@ def test_a_tenant_at_its_cap_loses_its_oldest_inferred_conversation(monkeypatch)
         assert r.status_code == 200
         assert set(rt.conversations) == {explicit, r.headers[HEADER]}
         rt.check_integrity()
+
+
+def test_the_fields_harnesses_send_are_accepted(live, rt):
+    """Each shape the harnesses send (../shared/HARNESSES.md) is answered 200
+    with the conversation named: Claude Code's Messages fields, Codex's
+    Responses fields, the Chat fields SDK agents set."""
+    auth = {"authorization": "Bearer key-a"}
+    messages = {"model": "claude-sonnet-4-5[1m]", "max_tokens": 4, "system": [
+        {"type": "text", "text": system(), "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]},
+                     {"role": "system", "content": "<system-reminder>Be brief.</system-reminder>"}],
+        "thinking": {"type": "adaptive", "display": "summarized"}, "output_config": {"effort": "high"},
+        "metadata": {"user_id": json.dumps({"session_id": uuid.uuid4().hex})},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}, "stream": True}
+    r = httpx.post(f"{live.url}/v1/messages?beta=true", json=messages, timeout=120, headers={
+        **auth, "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,some-future-beta-2027-01-01",
+        "x-claude-code-session-id": uuid.uuid4().hex})
+    assert r.status_code == 200 and "event: message_stop" in r.text, r.text
+    assert rt.get(r.headers[HEADER]).inferred == "anthropic"
+    responses = {"model": "tiny", "instructions": system(), "store": False, "stream": True,
+                 "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Go"}]},
+                           {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+                 "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
+                 "reasoning": {"effort": "medium", "summary": "auto"}, "include": ["reasoning.encrypted_content"],
+                 "prompt_cache_key": uuid.uuid4().hex, "client_metadata": {"turn": "1"}, "max_output_tokens": 4}
+    r = httpx.post(f"{live.url}/v1/responses", json=responses, headers=auth, timeout=120)
+    assert r.status_code == 200 and "response.incomplete" in r.text, r.text
+    assert rt.get(r.headers[HEADER]).inferred == "openai-responses"
+    r = chat(live, [{"role": "system", "content": system()}, {"role": "user", "content": "Hi"}],
+             reasoning_effort="high", user="someone")
+    assert r.status_code == 200, r.text
