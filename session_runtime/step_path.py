@@ -96,7 +96,7 @@ class StepPath:
             keep = conv.policy.kept_turns(conv.closed_turns)
             rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
             # A budget past the context's end is what remains of it (the answer then ends on length).
-            remaining = max(self.context_limit - len(rendered.ids) - 1, 0)
+            remaining = max(self.context_limit - len(rendered.ids), 0)
             if sampling.max_tokens > remaining and forced is None:
                 sampling = dataclasses.replace(sampling, max_tokens=remaining)
             history_len = tpl.rendered_length(conv.system, conv.tools, conv.history, keep, False) if conv.history else 0

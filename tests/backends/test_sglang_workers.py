@@ -1,5 +1,5 @@
 """Two real SGLang workers on this CPU behind one runtime: affinity, stateless
-requests through sglang-router, drain, `kill -9` of a worker under traffic, and
+requests placed by their inferred conversation, drain, `kill -9` of a worker under traffic, and
 its return.
 
 Worker w0 is the test session's shared server (given by URL, as
@@ -20,9 +20,7 @@ import uuid
 import httpx
 import pytest
 
-from session_runtime.backends.sglang.router import routed_namespace
 from session_runtime.errors import BackendUnavailable
-from session_runtime.templates.base import Message
 from tests.conftest import SGLANG_CONTEXT, SGLANG_POOL
 
 SYSTEM = "Workers share nothing but the runtime. " * 8
@@ -45,13 +43,6 @@ def pool(sglang_runtime, tiny_hf_folder):
 
 def _where(rt, cid):
     return rt.describe(cid)["worker"]
-
-
-def _common(a, b) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def test_conversations_spread_and_each_turn_hits_its_own_worker(pool):
@@ -81,63 +72,51 @@ def test_conversations_spread_and_each_turn_hits_its_own_worker(pool):
     rt.check_integrity()
 
 
-def test_stateless_requests_go_through_the_router_to_the_worker_that_caches_their_prefix(pool):
-    """/v1/chat/completions without a conversation_id goes through sglang-router
-    (cache_aware), `input_ids` and all. A long request through the router keeps
-    one worker busy (X); a fresh prefix B then goes to the least loaded worker
-    (Y); afterwards B's second request and A's go to the worker that caches their
-    prefix (when both are idle, a fresh prefix would go to the same first one:
-    so one of the two is routed by its prefix, not by the tie), and hit there."""
+def test_stateless_requests_are_placed_by_their_inferred_conversation(pool):
+    """/v1/chat/completions without a conversation_id (a harness sending its
+    whole history) is a step of the conversation the history continues: the
+    first request creates and places it like any conversation, the next one
+    goes to the worker holding its chain and hits there; sglang-router's
+    prefix guess is not asked (issue 38, item 6)."""
     from tests.api.conftest import start_server
 
     rt = pool
     router = rt.backend.router
-    assert router is not None and router.router is not None and router.router.alive()  # launched over w0, w1
-    tpl = rt.template("deepseek")
-    tag = uuid.uuid4().hex[:8]  # prefixes no tree and no router has seen
-    systems = {k: f"{k} {tag}: stateless traffic shares this long system prompt. " * 24 for k in "AB"}
-    head = {k: tpl.render(v, [], [], lambda turn: True, False).ids for k, v in systems.items()}
-    probe_cid = rt.create_conversation(system="namespace")
-    ns = routed_namespace(rt.namespace(rt.get(probe_cid)))
-    rt.delete_conversation(probe_cid)
+    tag = uuid.uuid4().hex[:8]
     steps_before = router.steps
     server = start_server(rt)
+    cids: dict[int, str] = {}
     try:
-        def chat(key: str, text: str) -> dict:
-            r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
-                "messages": [{"role": "system", "content": systems[key]}, {"role": "user", "content": text}],
-                "max_tokens": 2})
-            assert r.status_code == 200, r.text
-            return r.json()
-
-        def holders(key: str) -> set[str]:
-            return {wid for wid, w in rt.backend.workers.items() if w.probe(ns, head[key]).device_len > 0}
-
-        busy = {"input_ids": head["A"] + [100], "stream": True, "extra_key": ns.extra_key,
-                "sampling_params": {"max_new_tokens": 600, "temperature": 0.0, "ignore_eos": True}}
-        with httpx.stream("POST", f"{router.url}/generate", json=busy, timeout=300) as long:
-            lines = long.iter_lines()  # kept: a dropped line iterator closes the stream
-            next(line for line in lines if line.startswith("data:"))  # running: its worker's load is 1
-            first = chat("B", "Hi")
-        second, other = chat("B", "Again"), chat("A", "Again")
-        x, y = holders("A"), holders("B")
-        assert len(x) == len(y) == 1 and x != y, (x, y)
-        # What the worker reports as cached: whole pages of the prefix its tree shares with the prompt.
-        prompt = {(k, t): tpl.render(systems[k], [], [Message("user", 0, content=t)], lambda turn: True, True).ids
-                  for k, t in (("B", "Hi"), ("B", "Again"), ("A", "Again"))}
-        shared = _common(prompt["B", "Hi"], prompt["B", "Again"])
-        assert shared > len(head["B"]) and len(head["A"]) >= 300
-        expected = {id(first): 0, id(second): shared // 16 * 16, id(other): len(head["A"]) // 16 * 16}
-        for answer in (first, second, other):
-            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == expected[id(answer)]
-            assert answer["accounting"]["cached_input_tokens"] == expected[id(answer)]
-        assert router.steps - steps_before == 3
-        assert not rt.backend.stateless and not any(c in rt.backend.where for c in
-                                                    (first["conversation_id"], second["conversation_id"]))
+        for i in range(4):  # four sessions: both workers get some
+            history = [{"role": "system", "content": f"Session {i} {tag}. " + SYSTEM},
+                       {"role": "user", "content": "Hi"}]
+            answers = []
+            for text in ("Again", "Once more"):
+                r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300,
+                               json={"messages": history, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                answers.append(r.json())
+                message = r.json()["choices"][0]["message"]
+                history += [{"role": "assistant", "content": message["content"] or "",
+                             "reasoning_content": message.get("reasoning_content")},
+                            {"role": "user", "content": text}]
+            assert len({a["conversation_id"] for a in answers}) == 1, answers
+            cids[i] = cid = answers[0]["conversation_id"]
+            conv = rt.get(cid)
+            assert conv.inferred == "openai-chat" and len(conv.turns) == 2
+            mine = _where(rt, cid)
+            other = {"w0": "w1", "w1": "w0"}[mine]
+            assert rt.backend.workers[mine].chain_tokens(cid) > 0 and rt.backend.workers[other].chain_tokens(cid) == 0
+            second = answers[1]
+            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+                second["accounting"]["cached_input_tokens"] > 0  # the second request hit its chain on `mine`
+        assert {_where(rt, c) for c in cids.values()} == {"w0", "w1"}
+        assert router.steps == steps_before and not rt.backend.stateless
     finally:
         server.stop()
+        for cid in cids.values():  # w0 is the session's shared server: leave it no chain
+            rt.delete_conversation(cid)
     rt.check_integrity()
-
 
 def test_a_drained_worker_hands_its_conversations_over(pool):
     rt = pool
