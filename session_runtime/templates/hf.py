@@ -55,6 +55,7 @@ class HFTemplate:
         self.parser = parser_for(chat_template)
         self.call_marker = self.parser.call_marker
         self._user_header = self._find_user_header()
+        self.opens_thinking = self._opens_thinking()
         heads = BytesLRU(64 << 20, lambda key, spans: 2 * len(key) + sum(8 * len(ids) + 100 for _, ids in spans))
         self._heads = lambda key: heads.get_or_compute(key, lambda: self._head_spans(key))
 
@@ -89,6 +90,15 @@ class HFTemplate:
         if not between.startswith(first_end):
             raise InvalidRequest("the chat template renders a user message differently when another follows it")
         return between[len(first_end):]
+
+    def _opens_thinking(self) -> bool:
+        """Does the generation prompt open the reasoning block itself (Qwen3's
+        thinking models, DeepSeek-R1: `<think>\\n` after the assistant's header)?
+        Then the model's output starts inside it, with no `<think>` of its own."""
+        if self.parser.family == "harmony" or self.tok.inner.token_to_id("</think>") is None:
+            return False
+        prompt = self.official.text([{"role": "user", "content": "\ue003"}], [], True)
+        return prompt.rstrip().endswith("<think>")
 
     # ----- messages as the template takes them -------------------------------------
 
@@ -294,11 +304,21 @@ class HFTemplate:
     def strip_reasoning(self, msg: Message) -> Message:
         return dataclasses.replace(msg, reasoning="")
 
+    def _thinking(self, ids: Sequence[int]) -> bool:
+        """Is an output without `</think>` all reasoning: the prompt opened the
+        block, or the output opened it (its first token `<think>`)?"""
+        if self.opens_thinking:
+            return True
+        think = self.tok.inner.token_to_id("<think>")
+        return think is not None and self.parser.family != "harmony" and bool(ids) and ids[0] == think
+
     def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput:
         ids = list(ids)
         ended = bool(ids) and ids[-1] in self._stops
         if ended:
             ids = ids[:-1]
         reasoning, cut = self.parser.split(ids, self.tok)
+        if cut == 0 and self._thinking(ids):  # still thinking when the output stopped (or so far, streaming)
+            reasoning, cut = self.tok.decode(ids).replace("<think>", "", 1).strip("\n"), len(ids)
         content, calls = self.parser.calls(self.tok.decode(ids[cut:]), call_id_base)
         return ParsedOutput(ids[:cut], ids[cut:], content, calls, ended, reasoning)

