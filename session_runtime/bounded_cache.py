@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable, Generic, Hashable, TypeVar
+from typing import Callable, Generic, Hashable, Optional, TypeVar
 
 V = TypeVar("V")
 
@@ -19,16 +19,28 @@ class BytesLRU(Generic[V]):
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get_or_compute(self, key: Hashable, compute: Callable[[], V]) -> V:
+    def get(self, key: Hashable) -> Optional[V]:
         with self._lock:
             hit = self._items.get(key)
-            if hit is not None:
-                self._items.move_to_end(key)
-                return hit[0]
+            if hit is None:
+                return None
+            self._items.move_to_end(key)
+            return hit[0]
+
+    def get_or_compute(self, key: Hashable, compute: Callable[[], V]) -> V:
+        hit = self.get(key)
+        if hit is not None:
+            return hit
         value = compute()  # outside the lock: another thread may compute the same, harmlessly
+        self.put(key, value)
+        return value
+
+    def put(self, key: Hashable, value: V) -> None:
+        """Keep `value` (a first one stays); one too big to keep (over an eighth
+        of the bound: it would push out hundreds of others) is not kept."""
         nbytes = self._size(key, value)
         if nbytes > self.max_bytes // 8:
-            return value  # too big to keep: it would push out hundreds of others
+            return
         with self._lock:
             if key not in self._items:
                 self._items[key] = (value, nbytes)
@@ -36,7 +48,6 @@ class BytesLRU(Generic[V]):
                 while self._bytes > self.max_bytes:
                     _, (_, freed) = self._items.popitem(last=False)
                     self._bytes -= freed
-        return value
 
     @property
     def bytes(self) -> int:

@@ -22,6 +22,8 @@ that start inside its text.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 import json
 from pathlib import Path
 from typing import Optional, Sequence
@@ -35,6 +37,42 @@ from session_runtime.tokenizer import Tokenizer
 
 _SENTINEL = "\ue001next\ue001"  # a user message's content no client text spells
 _KIND = {"user": "user", "assistant": "answer", "tool": "tool_result", "system": "system"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrefixCheck:
+    """The rendering of the messages before a group of a head: its length and
+    digest, and whether it was a prefix of that head's text."""
+
+    length: int
+    text_digest: bytes
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeadChecks:
+    cut: int
+    text_digest: bytes  # of the head's text up to `cut`
+    groups: tuple[Optional[_PrefixCheck], ...]  # None: the template could not render the prefix alone
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _prefix_digests(dicts: list[dict], tools: list[dict], offset: int, at: list[int]) -> list[bytes]:
+    """A digest of (tools, offset, dicts[:i]) for each i in `at` (ascending), in one pass."""
+    h = hashlib.blake2b(json.dumps([tools, offset], ensure_ascii=False).encode("utf-8", "surrogatepass"),
+                        digest_size=16)
+    out, i = [], 0
+    for end in at:
+        while i < end:
+            h.update(json.dumps(dicts[i], ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\x1e")
+            i += 1
+        out.append(h.copy().digest())
+    return out
+
+
 def _openai_tool(tool: dict) -> dict:
     return tool if isinstance(tool, dict) and "function" in tool else {"type": "function", "function": tool}
 
@@ -56,6 +94,7 @@ class HFTemplate:
         self.call_marker = self.parser.call_marker
         self._user_header = self._find_user_header()
         self.opens_thinking = self._opens_thinking()
+        self._checks = BytesLRU(16 << 20, lambda key, v: 100 + 80 * len(v.groups))  # _marks
         heads = BytesLRU(64 << 20, lambda key, spans: 2 * len(key) + sum(8 * len(ids) + 100 for _, ids in spans))
         self._heads = lambda key: heads.get_or_compute(key, lambda: self._head_spans(key))
 
@@ -199,19 +238,7 @@ class HFTemplate:
             cut = len(text.text)
         ids, starts = self.official.encode_with_starts(
             RenderedText(text.text[:cut], tuple(c for c in text.controls if c[1] <= cut)))
-        marks = [(0, "system")]
-        start = 0
-        for kind, size in zip(kinds, sizes):
-            if start == 0 and offset == 0:
-                marks = [(0, kind)]
-            else:
-                try:
-                    prefix = self.official.plain_text(dicts[: offset + start], tools)
-                except InvalidRequest:  # a prefix the template cannot render alone (Llama 3's tools need a user)
-                    prefix = None
-                if prefix is not None and text.text.startswith(prefix) and marks[-1][0] < len(prefix) <= cut:
-                    marks.append((len(prefix), kind))
-            start += size
+        marks = self._marks(dicts, tools, offset, kinds, sizes, text.text, cut)
         spans, k = [], 0
         for i, (_, kind) in enumerate(marks):
             stop = marks[i + 1][0] if i + 1 < len(marks) else cut
@@ -221,6 +248,40 @@ class HFTemplate:
             spans.append((kind, tuple(ids[k:j])))
             k = j
         return tuple(spans)
+
+    def _marks(self, dicts: list[dict], tools: list[dict], offset: int, kinds: list[str], sizes: list[int],
+               text: str, cut: int) -> list[tuple[int, str]]:
+        """Where each group's text starts in the head `text` (up to `cut`): the
+        length of the rendering of the messages before it, where that rendering
+        is a prefix of the head. The checks of an earlier head that this one
+        extends (its messages and then more, its text up to its cut the same)
+        are kept: only the prefixes of the groups after it are rendered, so a
+        turn costs the renderings of its own messages, not of every earlier one."""
+        starts = [offset + n for n in itertools.accumulate([0, *sizes[:-1]])] if sizes else []
+        digests = _prefix_digests(dicts, tools, offset, [*starts, len(dicts)])
+        checks: list[Optional[_PrefixCheck]] = []
+        for g in range(len(starts), 0, -1):  # the longest earlier head with these messages first
+            earlier = self._checks.get(digests[g])
+            if earlier is not None and earlier.cut <= cut and earlier.text_digest == _digest(text[:earlier.cut]):
+                checks = [c if c is None or c.length <= earlier.cut
+                          else dataclasses.replace(c, fits=c.text_digest == _digest(text[:c.length]))
+                          for c in earlier.groups[:g]]
+                break
+        for g in range(len(checks), len(starts)):
+            try:
+                prefix = self.official.plain_text(dicts[: starts[g]], tools) if starts[g] else ""
+            except InvalidRequest:  # a prefix the template cannot render alone (Llama 3's tools need a user)
+                checks.append(None)
+                continue
+            checks.append(_PrefixCheck(len(prefix), _digest(prefix), text.startswith(prefix)))
+        self._checks.put(digests[len(starts)], _HeadChecks(cut, _digest(text[:cut]), tuple(checks)))
+        marks = [(0, "system")]
+        for g, (kind, check) in enumerate(zip(kinds, checks)):
+            if g == 0 and offset == 0:
+                marks = [(0, kind)]
+            elif check is not None and check.fits and marks[-1][0] < check.length <= cut:
+                marks.append((check.length, kind))
+        return marks
 
     def _appended(self, before: list[dict], after: list[dict], tools: list[dict], kind: str) -> list[int]:
         """Ids of the text the template adds for the messages between `before` and `after`."""

@@ -87,6 +87,12 @@ def ours(tpl, system, tools, turns) -> list[int]:
     """Our template's prompt for the next step under `drop`: closed turns drop
     their reasoning, the open turn keeps it; assistant outputs are the ids the
     import path gives them (`forced_ids`)."""
+    last = len(turns) - 1
+    return tpl.render(system, tools, messages(tpl, turns), lambda turn: turn == last, True).ids
+
+
+def messages(tpl, turns) -> list[Message]:
+    """The turns as the runtime's messages (assistant outputs as `forced_ids` gives them)."""
     msgs = []
     for t, (user, steps) in enumerate(turns):
         msgs.append(Message("user", t, content=user))
@@ -95,8 +101,7 @@ def ours(tpl, system, tools, turns) -> list[int]:
             msgs.append(Message("assistant", t, content=content, reasoning=reasoning, tool_calls=tuple(calls),
                                 output_ids=tuple(ids)))
             msgs += [Message("tool", t, content=r, tool_call_id=c.id) for c, r in zip(calls, results)]
-    last = len(turns) - 1
-    return tpl.render(system, tools, msgs, lambda turn: turn == last, True).ids
+    return msgs
 
 
 QWEN3_TEMPLATE = __import__("pathlib").Path(__file__).parents[1] / "data" / "qwen3_chat_template.jinja"
