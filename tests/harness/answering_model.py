@@ -43,22 +43,31 @@ def save_answering_model(folder: Path, shape: dict, tokenizer) -> Path:
         max_position_embeddings=s["max_position_embeddings"], tie_word_embeddings=False,
     )
     model = Qwen3ForCausalLM(cfg).eval()
+    make_state_machine(model, {end_think: hello, hello: eos}, otherwise=end_think)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def make_state_machine(model, table: dict[int, int], otherwise: int, scale: float = SCALE) -> None:
+    """Make a Qwen3 model (untied head) answer by table: greedy, the token after
+    `t` is `table[t]`, after any other token `otherwise`. Its layers add nothing
+    (every weight zero, norms one), so the next token depends only on the
+    current one: each state is its own orthogonal direction in the embedding,
+    and the head maps it to the chosen token with logit `scale` (after RMSNorm a
+    direction has norm sqrt(hidden)), every other token's logit 0."""
+    hidden = model.config.hidden_size
+    assert len(table) + 1 <= hidden, "one embedding direction per state"
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 p.zero_()  # o_proj and down_proj zero: every layer adds nothing to the residual stream
-        # Three states, three orthogonal directions: the embedding says which state a token is in.
         emb, head = model.model.embed_tokens.weight, model.lm_head.weight
-        state = torch.eye(3, s["hidden_size"])
-        emb[:] = state[0]
-        emb[end_think] = state[1]
-        emb[hello] = state[2]
-        # After RMSNorm a state's direction has norm sqrt(hidden): scale the head so the chosen logit is SCALE.
-        unit = SCALE / s["hidden_size"] ** 0.5
-        head[end_think] = state[0] * unit
-        head[hello] = state[1] * unit
-        head[eos] = state[2] * unit
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+        state = torch.eye(len(table) + 1, hidden)
+        unit = scale / hidden ** 0.5
+        emb[:] = state[-1]
+        head[otherwise] += state[-1] * unit
+        for k, (token, following) in enumerate(table.items()):
+            emb[token] = state[k]
+            head[following] += state[k] * unit
