@@ -37,7 +37,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--plot", metavar="DIR", help="write a PNG per trace of each request's prompt composition")
     parser.add_argument("--kv-price", type=float, default=None, metavar="FLOPS",
                         help="what holding one KV token for one second costs, in FLOPs, for the verdict (default: "
-                             f"{KV_PRICE_ASSUMES}, for the cost model's KV bytes per token)")
+                             + KV_PRICE_ASSUMES.replace("%", "%%") + ", for the cost model's KV bytes per token)")
 
 
 def settings(args, prefill_chunk: int = 2048) -> tuple[CostModel, Clock]:

@@ -3,6 +3,7 @@ is imported: a port out of range or in use, --help with the defaults, --version.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import socket
 
@@ -36,6 +37,21 @@ def test_help_shows_the_defaults_and_version_the_package(capsys):
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out == f"session-runtime {importlib.metadata.version('session-runtime')}\n"
+
+
+def test_every_command_prints_its_help(capsys):
+    """`--help` of every subcommand prints and exits 0 (a `%` in a help text
+    once crashed argparse's formatting of `replay --help`)."""
+    from session_runtime.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"serve", "replay"} <= set(commands)
+    for name in commands:
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0, name
+        assert "usage:" in capsys.readouterr().out
 
 
 def test_a_missing_model_folder_fails_before_anything_heavy_is_imported(tmp_path):
