@@ -32,7 +32,7 @@ from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import KeepReasoning, Message, ParsedOutput, Rendered, ToolCall, message_groups
 from session_runtime.templates.hf_parse import parser_for
-from session_runtime.templates.official import OfficialRenderer, RenderedText, read_chat_template, special_token_kwargs
+from session_runtime.templates.official import OfficialRenderer, prefix_digests, RenderedText, read_chat_template, special_token_kwargs
 from session_runtime.tokenizer import Tokenizer
 
 _SENTINEL = "\ue001next\ue001"  # a user message's content no client text spells
@@ -58,19 +58,6 @@ class _HeadChecks:
 
 def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-
-def _prefix_digests(dicts: list[dict], tools: list[dict], offset: int, at: list[int]) -> list[bytes]:
-    """A digest of (tools, offset, dicts[:i]) for each i in `at` (ascending), in one pass."""
-    h = hashlib.blake2b(json.dumps([tools, offset], ensure_ascii=False).encode("utf-8", "surrogatepass"),
-                        digest_size=16)
-    out, i = [], 0
-    for end in at:
-        while i < end:
-            h.update(json.dumps(dicts[i], ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\x1e")
-            i += 1
-        out.append(h.copy().digest())
-    return out
 
 
 def _openai_tool(tool: dict) -> dict:
@@ -194,20 +181,22 @@ class HFTemplate:
         def add(kind: str, ids: list[int]) -> None:
             out.add(kind, ids[1:] if carry is not None and ids[:1] == [carry] else ids)
 
+        # The memo keys of every prefix, in one pass over the messages.
+        keys = prefix_digests(dicts, tools, range(len(dicts) + 1)) if start < len(groups) else []
         for g in range(start, len(groups)):
             role, group = groups[g]
             a, b = offset + ends[g] - len(group), offset + ends[g]
             if role == "assistant" and group[0].output_ids and keep(group[0].turn):
-                before = self.official.render(dicts[:a], tools, False)
-                prompt = self.official.render(dicts[:a], tools, True)
+                before = self.official.render(dicts[:a], tools, False, keys[a])
+                prompt = self.official.render(dicts[:a], tools, True, keys[a])
                 assert prompt.text.startswith(before.text), "generation prompt is not an append"
                 add("generation_prompt", self.official.encode(prompt, len(before.text)))
-                after = self.official.render(dicts[:b], tools, False)
+                after = self.official.render(dicts[:b], tools, False, keys[b])
                 ids, carry, end = self._generated(group[0].output_ids, after)
                 out.add("output", ids)
                 out.add("eos", end)
                 continue
-            add(_KIND[role], self._appended(dicts[:a], dicts[:b], tools, _KIND[role]))
+            add(_KIND[role], self._appended(dicts[:a], dicts[:b], tools, _KIND[role], keys[a], keys[b]))
             carry = None
         if generation_prompt and messages and messages[-1].role != "assistant":
             prompt = self.official.render(dicts, tools, True)
@@ -258,7 +247,7 @@ class HFTemplate:
         are kept: only the prefixes of the groups after it are rendered, so a
         turn costs the renderings of its own messages, not of every earlier one."""
         starts = [offset + n for n in itertools.accumulate([0, *sizes[:-1]])] if sizes else []
-        digests = _prefix_digests(dicts, tools, offset, [*starts, len(dicts)])
+        digests = prefix_digests(dicts, tools, [*starts, len(dicts)], salt=offset)
         checks: list[Optional[_PrefixCheck]] = []
         for g in range(len(starts), 0, -1):  # the longest earlier head with these messages first
             earlier = self._checks.get(digests[g])
@@ -283,16 +272,18 @@ class HFTemplate:
                 marks.append((check.length, kind))
         return marks
 
-    def _appended(self, before: list[dict], after: list[dict], tools: list[dict], kind: str) -> list[int]:
-        """Ids of the text the template adds for the messages between `before` and `after`."""
-        a, b = self.official.render(before, tools, False), self.official.render(after, tools, False)
+    def _appended(self, before: list[dict], after: list[dict], tools: list[dict], kind: str,
+                  before_key: bytes, after_key: bytes) -> list[int]:
+        """Ids of the text the template adds for the messages between `before` and `after` (their memo keys)."""
+        a, b = self.official.render(before, tools, False, before_key), self.official.render(after, tools, False, after_key)
         if b.text.startswith(a.text):
             return self.official.encode(b, len(a.text))
         # The template renders what came before differently once more follows (an
         # assistant it rendered as the last message): the new text starts at the
         # user header, or after the end it writes for that assistant message.
         if kind == "user":
-            with_sentinel = self.official.text([*before, {"role": "user", "content": _SENTINEL}], tools, False)
+            with_sentinel = self.official.render([*before, {"role": "user", "content": _SENTINEL}], tools, False,
+                                                 _digest(before_key.hex() + _SENTINEL)).text
             start = with_sentinel.index(_SENTINEL) - len(self._user_header)
         else:
             lcp = next((i for i, (x, y) in enumerate(zip(a.text, b.text)) if x != y), min(len(a.text), len(b.text)))
@@ -327,10 +318,10 @@ class HFTemplate:
     def _end_ids(self, rendered: RenderedText) -> list[int]:
         """The end the template writes after the last message: from its last
         end-of-message control token on, or nothing (GLM ends a message with none)."""
-        ends = [(a, b) for a, b in rendered.controls if rendered.text[a:b] in self._stop_texts]
-        if not ends or rendered.text[ends[-1][1]:].strip("\n"):
+        last = next(((a, b) for a, b in reversed(rendered.controls) if rendered.text[a:b] in self._stop_texts), None)
+        if last is None or rendered.text[last[1]:].strip("\n"):
             return []
-        return self.official.encode(rendered, ends[-1][0])
+        return self.official.encode(rendered, last[0])
 
     # ----- outputs ------------------------------------------------------------------
 

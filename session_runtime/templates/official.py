@@ -12,6 +12,8 @@ except that text can never forge a control token.
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -34,9 +36,11 @@ class RenderedText:
         """text[start:end] as (text, is_control) runs."""
         end = len(self.text) if end is None else end
         out, pos = [], start
-        for a, b in self.controls:
-            if b <= start or a >= end:
-                continue
+        first = bisect.bisect_right(self.controls, start, key=lambda c: c[1])  # the first control ending after start
+        for i in range(first, len(self.controls)):
+            a, b = self.controls[i]
+            if a >= end:
+                break
             assert start <= a and b <= end, "a slice cuts through a control token"
             if a > pos:
                 out.append((self.text[pos:a], False))
@@ -103,11 +107,18 @@ class OfficialRenderer:
         controls = sorted((t for t in tok.added if t), key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, controls))) if controls else None
         # Every step renders the same prefixes again: memoized, within 128 MB.
-        self._memo = BytesLRU(128 << 20, lambda key, r: 2 * len(key[0]) + 2 * len(r.text) + 64 * len(r.controls) + 200)
+        self._memo = BytesLRU(128 << 20, lambda key, r: 2 * len(r.text) + 64 * len(r.controls) + 200)
 
-    def render(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> RenderedText:
-        key = json.dumps([list(messages), list(tools)], ensure_ascii=False)  # key order kept: templates iterate dicts
-        return self._memo.get_or_compute((key, generation_prompt), lambda: self._render_key(key, generation_prompt))
+    def render(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool,
+               key: Optional[bytes] = None) -> RenderedText:
+        """The template's rendering, memoized by a digest of the messages and
+        tools (`key`: one the caller computed for them, as HFTemplate does for
+        every prefix of a conversation in one pass, so that rendering its
+        prefixes one by one does not serialize each again)."""
+        if key is None:
+            key = prefix_digests(list(messages), list(tools), [len(messages)])[0]
+        return self._memo.get_or_compute((key, generation_prompt),
+                                         lambda: self._render_key(messages, tools, generation_prompt))
 
     def text(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> str:
         return self.render(messages, tools, generation_prompt).text
@@ -123,8 +134,9 @@ class OfficialRenderer:
         except Exception as exc:  # the template's raise_exception, or a shape it cannot render
             raise InvalidRequest(f"the model's chat template refused this conversation: {exc}") from exc
 
-    def _render_key(self, key: str, generation_prompt: bool) -> RenderedText:
-        messages, tools = json.loads(key)
+    def _render_key(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> RenderedText:
+        # A copy in plain JSON types, key order kept (templates iterate dicts).
+        messages, tools = json.loads(json.dumps([list(messages), list(tools)], ensure_ascii=False))
         text = self._jinja(messages, tools, generation_prompt)
         if self._pattern is None:
             return RenderedText(text, ())
@@ -159,3 +171,16 @@ class OfficialRenderer:
                 starts += [pos + a for a, _ in enc.offsets]
             pos += len(text)
         return ids, starts
+
+
+def prefix_digests(messages: list[dict], tools: list[dict], at: Sequence[int], salt: object = None) -> list[bytes]:
+    """A digest of (salt, tools, messages[:i]) for each i in `at` (ascending), in one pass."""
+    h = hashlib.blake2b(json.dumps([salt, tools], ensure_ascii=False).encode("utf-8", "surrogatepass"),
+                        digest_size=16)
+    out, i = [], 0
+    for end in at:
+        while i < end:
+            h.update(json.dumps(messages[i], ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\x1e")
+            i += 1
+        out.append(h.copy().digest())
+    return out
