@@ -20,6 +20,7 @@ from starlette.concurrency import iterate_in_threadpool
 from starlette.requests import Request
 
 from session_runtime.api.errors import ApiError
+from session_runtime.api.output_deltas import OutputDeltas
 from session_runtime.backends.base import Cancellation
 from session_runtime.errors import RuntimeErrorBase, StepCancelled
 from session_runtime.step import Step
@@ -119,11 +120,10 @@ async def cancellable(request: Request, fn: Callable[[Cancellation], T]) -> T:
 
 def step_events(events: queue.Queue, tpl: Template, head: tuple,
                 on_late_error: Callable[[], None]) -> Iterator[Event]:
-    """The step's typed events (Event) from the worker's queue: tokens parsed
-    by the template into reasoning and content deltas (text that may still
+    """The step's typed events (Event) from the worker's queue: tokens turned
+    into reasoning and content deltas (output_deltas.py: text that may still
     become tool-call markup held back until the step ends)."""
-    ids: list[int] = []
-    sent = {"reasoning": "", "content": ""}
+    deltas = OutputDeltas(tpl)
     while True:
         kind, value = head if head is not None else events.get()
         head = None
@@ -136,18 +136,10 @@ def step_events(events: queue.Queue, tpl: Template, head: tuple,
                 logging.getLogger("session_runtime").error("internal error in a streamed step", exc_info=value)
             value = ApiError.of(value) if isinstance(value, RuntimeErrorBase) else ApiError(500, "internal", "internal error")
         if kind == "token":
-            ids.append(value)
-            parsed = tpl.parse_output(ids, "")
-            for field, text in (("reasoning", parsed.reasoning), ("content", parsed.content)):
-                text = safe_prefix(text, tpl.call_marker if field == "content" else "")
-                if len(text) > len(sent[field]) and text.startswith(sent[field]):
-                    yield field, text[len(sent[field]):]
-                    sent[field] = text
+            yield from deltas.push(value)
             continue
         if kind == "step":  # flush what was held back, now that the output is whole
-            for field, text in (("reasoning", value.reasoning), ("content", value.content)):
-                if len(text) > len(sent[field]) and text.startswith(sent[field]):
-                    yield field, text[len(sent[field]):]
+            yield from deltas.finish(value.reasoning, value.content)
         yield kind, value
         return
 
@@ -158,19 +150,3 @@ def _lines(events: Iterator[Event], fmt: Format) -> Iterator[str]:
         if kind != "prefill":
             yield f"data: {json.dumps(fmt(kind, value), ensure_ascii=False)}\n\n"
     yield "data: [DONE]\n\n"
-
-
-def safe_prefix(text: str, marker: str) -> str:
-    """The part of partly decoded text that can be sent and never taken back:
-    without a trailing incomplete character (decoded as U+FFFD until its last
-    byte arrives) and without anything that is, or may become, `marker` (the
-    start of tool-call markup, which is not content)."""
-    text = text.rstrip("\ufffd")
-    if marker:
-        cut = text.find(marker)
-        if cut >= 0:
-            return text[:cut]
-        for keep in range(min(len(marker) - 1, len(text)), 0, -1):
-            if marker.startswith(text[-keep:]):
-                return text[:-keep]
-    return text

@@ -358,11 +358,14 @@ class HFTemplate:
 
     def _thinking(self, ids: Sequence[int]) -> bool:
         """Is an output without `</think>` all reasoning: the prompt opened the
-        block, or the output opened it (its first token `<think>`)?"""
+        block, or the output opened it (`<think>` after nothing but whitespace:
+        GLM-4.5 writes "\n<think>")?"""
         if self.opens_thinking:
             return True
         think = self.tok.inner.token_to_id("<think>")
-        return think is not None and self.parser.family != "harmony" and bool(ids) and ids[0] == think
+        if think is None or self.parser.family == "harmony" or think not in ids[:4]:
+            return False
+        return not self.tok.decode(ids[: list(ids[:4]).index(think)]).strip()
 
     def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput:
         ids = list(ids)

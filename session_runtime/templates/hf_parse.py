@@ -24,6 +24,7 @@ _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>"
 _HARMONY_CALL = re.compile(r"to=functions\.([^\s<]+)\s*(?:<\|channel\|>commentary)?\s*(?:<\|constrain\|>)?\s*json"
                            r"<\|message\|>(.*?)(?:<\|call\|>|$)", re.S)
 _HARMONY_ANALYSIS = re.compile(r"<\|channel\|>analysis<\|message\|>(.*?)<\|end\|>", re.S)
+_HARMONY_OPEN_ANALYSIS = re.compile(r"\s*<\|channel\|>analysis<\|message\|>(.*)", re.S)
 _HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", re.S)
 
 
@@ -55,6 +56,9 @@ class OutputParser:
         end = {"harmony": "<|end|>"}.get(self.family, "</think>")
         end_id = tok.inner.token_to_id(end)
         if end_id is None or end_id not in ids:
+            if self.family == "harmony":  # an analysis message still being written: reasoning so far
+                m = _HARMONY_OPEN_ANALYSIS.match(tok.decode(ids))
+                return (m.group(1), len(ids)) if m else ("", 0)
             return "", 0
         cut = list(ids).index(end_id) + 1
         text = tok.decode(ids[:cut])
@@ -86,7 +90,8 @@ class OutputParser:
                 if obj is not None:
                     found.append((name, obj))
             final = _HARMONY_FINAL.search(text)
-            content = final.group(1) if final else ("" if found else text)
+            # Only a final message is content: text before a channel is its header (" to=functions.f").
+            content = final.group(1) if final else ""
         elif self.family == "llama3":
             obj = _json_object(text.strip())
             if obj is not None and isinstance(obj.get("name"), str) and isinstance(obj.get("parameters"), dict):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from session_runtime import InvalidRequest, Runtime, RuntimeConfig
-from session_runtime.api.streaming import safe_prefix, sse_step
+from session_runtime.api.output_deltas import safe_prefix
+from session_runtime.api.streaming import sse_step
 
 
 @pytest.fixture(scope="module")
