@@ -37,6 +37,11 @@ class Tokenizer:
             object.__setattr__(self, name, functools.partial(_memo_encode, memo, tok))
 
     @functools.cached_property
+    def added_ids(self) -> frozenset[int]:
+        """The ids of the added tokens (control tokens and markup)."""
+        return frozenset(i for i in map(self.inner.token_to_id, self.added) if i is not None)
+
+    @functools.cached_property
     def max_token_bytes(self) -> int:
         """An upper bound on the UTF-8 bytes of text one token covers (its longest
         vocabulary entry): text of more bytes than context x this cannot fit."""

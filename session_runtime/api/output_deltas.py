@@ -28,8 +28,7 @@ _EXACT_BELOW = 128  # tokens: a short output is parsed whole at every token
 class OutputDeltas:
     def __init__(self, tpl: Template):
         self.tpl = tpl
-        tok = tpl.tok
-        self._added = {i for i in (tok.inner.token_to_id(t) for t in tok.added) if i is not None}
+        self._added = tpl.tok.added_ids
         self.ids: list[int] = []
         self.sent = {f: [] for f in FIELDS}  # chunks sent, per field
         self._fast: Optional[_Field] = None  # the field plain tokens extend, once known
@@ -76,16 +75,16 @@ class OutputDeltas:
         raw = self.tpl.tok.decode(ids)
         body = text.rstrip("\n")
         start = len(raw.rstrip("\n")) - len(body)
-        sent = self._text(field)
+        sent, marker = self._text(field), self._marker(field)
         if not body or raw.endswith("\ufffd"):
             return None  # nothing to anchor on yet: the next token is parsed whole
         if start < 0 or raw[start:start + len(body)] != body or not raw.startswith(sent, start):
             # The template does more than strip here: parsed whole, tried again a quarter further on.
             self._follow_at = len(self.ids) + len(self.ids) // 4
             return None
-        if field == "content" and self._marker(field) and self._marker(field) in raw[start:]:
+        if marker and marker in raw[start:]:  # tool-call markup: the rest of the field comes with the step
             return _Field(field, self.tpl.tok, ids, "", frozen=True)
-        return _Field(field, self.tpl.tok, ids, raw[start + len(sent):], marker=self._marker(field))
+        return _Field(field, self.tpl.tok, ids, raw[start + len(sent):], marker=marker)
 
     # ----- bookkeeping --------------------------------------------------------------
 

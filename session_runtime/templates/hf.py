@@ -32,7 +32,8 @@ from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import KeepReasoning, Message, ParsedOutput, Rendered, ToolCall, message_groups
 from session_runtime.templates.hf_parse import parser_for
-from session_runtime.templates.official import OfficialRenderer, prefix_digests, RenderedText, read_chat_template, special_token_kwargs
+from session_runtime.templates.official import (OfficialRenderer, RenderedText, prefix_digests, read_chat_template,
+                                               special_token_kwargs)
 from session_runtime.tokenizer import Tokenizer
 
 _SENTINEL = "\ue001next\ue001"  # a user message's content no client text spells
@@ -80,6 +81,7 @@ class HFTemplate:
         self.parser = parser_for(chat_template)
         self.call_marker = self.parser.call_marker
         self._user_header = self._find_user_header()
+        self._think = tok.inner.token_to_id("<think>")  # None: the tokenizer has no reasoning block
         self.opens_thinking = self._opens_thinking()
         self._checks = BytesLRU(16 << 20, lambda key, v: 100 + 80 * len(v.groups))  # _marks
         heads = BytesLRU(64 << 20, lambda key, spans: 2 * len(key) + sum(8 * len(ids) + 100 for _, ids in spans))
@@ -362,10 +364,10 @@ class HFTemplate:
         GLM-4.5 writes "\n<think>")?"""
         if self.opens_thinking:
             return True
-        think = self.tok.inner.token_to_id("<think>")
-        if think is None or self.parser.family == "harmony" or think not in ids[:4]:
+        head = list(ids[:4])
+        if self._think is None or self.parser.family == "harmony" or self._think not in head:
             return False
-        return not self.tok.decode(ids[: list(ids[:4]).index(think)]).strip()
+        return not self.tok.decode(head[: head.index(self._think)]).strip()
 
     def parse_output(self, ids: Sequence[int], call_id_base: str) -> ParsedOutput:
         ids = list(ids)
