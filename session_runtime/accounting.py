@@ -36,6 +36,11 @@ class StepAccounting:
     # Why each uncached prompt token was prefilled: [{reason, tokens}] summing to
     # uncached_prefill_tokens (uncached.py); None where that is not known (upstream).
     uncached: Optional[list] = None
+    # A stateless step: which of its protocol's rules decided its prompt, e.g.
+    # {"reasoning": {"rule": "clear_thinking_20251015", "policy": "keep_last_k",
+    # "keep_last_k": 1}, "tool_uses": {"rule": "clear_tool_uses_20250919",
+    # "cleared": 4}}; None for a step a client's conversation ran.
+    rules: Optional[dict] = None
 
     def as_dict(self) -> dict:
         """Every field; nested dicts and lists copied, as `dataclasses.asdict`

@@ -19,6 +19,7 @@ from session_runtime.accounting import StepAccounting
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.templates.base import Message, ToolCall
+from session_runtime.tool_clearing import Cleared
 from session_runtime.uncached import Known, totals as uncached_totals
 
 
@@ -127,6 +128,12 @@ class Conversation:
     # `uncached` reasons (uncached.py). Not persisted: a restored conversation
     # starts from `restored_known`.
     known: Known = field(default_factory=Known, compare=False)
+    # The tool uses its prompt shows cleared (tool_clearing.py): the history
+    # shows them so, the trace as the client sent them.
+    cleared: Cleared = field(default_factory=Cleared)
+    # Which of the protocol's rules decided the running step's prompt (its
+    # accounting's `rules`); set by Runtime.chat_step for that step only.
+    rules: Optional[dict] = field(default=None, compare=False)
     # Upstream mode: its last request to the provider, by message, so that the
     # next is built past it (proxy/prefix.py). A cache: not persisted.
     outbound: Optional[object] = field(default=None, compare=False, repr=False)

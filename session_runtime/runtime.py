@@ -27,10 +27,11 @@ from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.step import Step
+from session_runtime.tool_clearing import Cleared
 from session_runtime.registry import Conversations
 from session_runtime.templates import Message, Template, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
-from session_runtime import continuation, importer
+from session_runtime import continuation, importer, tool_clearing
 from session_runtime.inference import SessionIndex
 from session_runtime.stateless import StatelessSteps
 from session_runtime.inspection import RuntimeInspection
@@ -232,6 +233,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         conv.system, conv.tools = system, tools
         computed = conv.chain_tokens
         importer.adopt(conv, tpl, messages)
+        conv.cleared = Cleared()  # the client's history, as it sent it
         # What differs from the sequence computed before is the client's history, not ours.
         conv.known = dataclasses.replace(conv.known, sequence=computed, history_computed=False,
                                          diverged="history_replaced" if computed else "first_seen")
@@ -240,6 +242,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
 
     def chat_step(self, conversation_id: str, request: continuation.ChatInput, *, replace: bool = False,
                   forced: Optional[dict] = None, policy: Optional[ReasoningPolicy] = None,
+                  cleared: Optional[Cleared] = None, rules: Optional[dict] = None,
                   replay: Optional[Callable[[Conversation], Optional[Step]]] = None,
                   on_commit: Optional[Callable[[Conversation, Step], None]] = None, **options) -> Step:
         """A stateless chat client's request on a stored conversation: check that
@@ -253,8 +256,12 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         client's retry of the last step), returned as it was (its tokens sent to
         `on_token` again) with nothing run or changed; `policy`, when it differs
         from the conversation's, becomes its reasoning policy from this step on
-        (the protocol's own control, such as Anthropic's clear_thinking); after
-        the step commits, `on_commit(conv, step)`.
+        (the protocol's own control, such as Anthropic's clear_thinking);
+        `cleared`, when it differs from the conversation's, the tool uses its
+        prompt shows cleared from this step on (tool_clearing.py: the history
+        is rederived from the trace, and the prompt forks at the first block
+        that changed); `rules`: which of the protocol's rules decided these,
+        kept in the step's accounting; after the step commits, `on_commit(conv, step)`.
 
         Raises HistoryConflict (409) for another history, ConversationBusy when
         a user message comes while tool calls are pending, ToolCallConflict and
@@ -278,9 +285,15 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                 self._adopt(conv, request.system, tools, request.history)
             else:
                 continuation.check(conv, self.template(conv.template), request)
-            if policy is not None and policy != conv.policy:
+            repolicy = policy is not None and policy != conv.policy
+            reclear = cleared is not None and cleared != conv.cleared
+            if repolicy or reclear:
                 before = before or conv.snapshot()
-                self._repolicy(conv, policy)
+                conv.policy, conv.cleared = policy or conv.policy, conv.cleared if cleared is None else cleared
+                self._rederive(conv)
+                if reclear:  # past the first block that changed, the history was never computed as it now reads
+                    conv.known = dataclasses.replace(conv.known, diverged="tool_uses_cleared")
+            conv.rules = rules  # read by this step's commit only
             try:
                 if content is not None:
                     step = self._message_step(conv, content, forced=forced, **options)
@@ -290,20 +303,27 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                 if before is not None:  # nothing of the replaced history was stored: put it back in memory
                     conv.__dict__.update(before.__dict__)
                 raise
+            finally:
+                conv.rules = None
             if on_commit is not None:
                 on_commit(conv, step)
             return step
 
-    def _repolicy(self, conv: Conversation, policy: ReasoningPolicy) -> None:
-        """Make `policy` the conversation's, in memory (the step that follows
-        persists it): the canonical history is rebuilt from the trace, which
-        kept every turn's reasoning, so the next prompt keeps what the new
-        policy keeps; past the first difference the chain no longer matches and
-        the step prefills from there (the closed turns' rendering forks)."""
-        conv.policy = policy
-        keep = policy.kept_turns(conv.closed_turns)
-        conv.history = [m if m.role != "assistant" or keep(m.turn) or not m.reasoning
-                        else self.template(conv.template).strip_reasoning(m) for m in conv.trace_messages()]
+    def _rederive(self, conv: Conversation) -> None:
+        """Rebuild the canonical history from the trace, which kept every
+        turn's reasoning and every tool result, under the conversation's policy
+        and cleared tool uses, in memory (the step that follows persists it):
+        the next prompt keeps what they keep; past the first difference the
+        chain no longer matches and the step prefills from there (the
+        rendering forks)."""
+        conv.history = self._derived_history(conv, conv.cleared)
+
+    def _derived_history(self, conv: Conversation, cleared: Cleared) -> list[Message]:
+        """The canonical history of `conv`'s trace under its policy, with `cleared` tool uses cleared."""
+        tpl = self.template(conv.template)
+        keep = conv.policy.kept_turns(conv.closed_turns)
+        return [m if m.role != "assistant" or keep(m.turn) or not m.reasoning else tpl.strip_reasoning(m)
+                for m in tool_clearing.apply(tpl, conv.trace_messages(), cleared)]
 
     def get(self, conversation_id: str) -> Conversation:
         """Raises ConversationNotFound."""
@@ -473,10 +493,12 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         turn = conv.protocol.turn
         return [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
 
-    def prompt_tokens(self, conversation_id: str, request: continuation.ChatInput) -> int:
+    def prompt_tokens(self, conversation_id: str, request: continuation.ChatInput,
+                      cleared: Optional[Cleared] = None) -> int:
         """The prompt tokens a step would render for `request`'s new input on the
-        conversation (no step runs, nothing changes). Raises what the step
-        would raise for that input before running."""
+        conversation (no step runs, nothing changes), with `cleared` tool
+        uses cleared if given. Raises what the step would raise for that input
+        before running."""
         content = request.user_content
         if content is not None:
             self._check_message(content)
@@ -484,8 +506,9 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
             new = self._user_message(conv, content) if content is not None else \
                 self._result_messages(conv, request.tool_results())
             keep = conv.policy.kept_turns(conv.closed_turns)
-            return self.template(conv.template).rendered_length(conv.system, conv.tools, conv.history + new, keep,
-                                                                True)
+            history = conv.history if cleared is None or cleared == conv.cleared else \
+                self._derived_history(conv, cleared)
+            return self.template(conv.template).rendered_length(conv.system, conv.tools, history + new, keep, True)
 
     def check_integrity(self) -> None:
         """Assert pools, locks and chains add up, and every chain has a conversation."""

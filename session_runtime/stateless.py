@@ -29,6 +29,7 @@ from session_runtime.errors import ConversationNotFound, HistoryConflict, TooMan
 from session_runtime.inference import Match, RequestKeys, SessionIndex, request_keys
 from session_runtime.policies import ReasoningPolicy
 from session_runtime.step import Step
+from session_runtime.tool_clearing import Cleared
 
 _SWEEP_EVERY_S = 5.0
 
@@ -42,6 +43,8 @@ class Prepared:
     protocol: str
     session_key: Optional[str]
     policy: Optional[ReasoningPolicy]
+    cleared: Optional[Cleared]
+    rules: Optional[dict]
     keys: RequestKeys
     conversation_id: str
     match: Optional[Match]  # None: created for this request (deleted again if its first step fails)
@@ -64,16 +67,19 @@ class StatelessSteps:
 
     def prepare(self, request: continuation.ChatInput, *, tenant: Optional[str], protocol: str,
                 session_key: Optional[str] = None, policy: Optional[ReasoningPolicy] = None,
+                cleared: Optional[Cleared] = None, rules: Optional[dict] = None,
                 options: object = None) -> Prepared:
-        """Find or create the request's conversation; `options`: what else
+        """Find or create the request's conversation; `policy`, `cleared` and
+        `rules` as `Runtime.chat_step` takes them; `options`: what else
         the request asks (sampling, streaming), which a retry repeats too. Raises InvalidRequest for
         a system prompt or tools the runtime refuses, TooManyConversations when
         the tenant's cap is full of explicit conversations."""
         self._sweep()
         tools = self.runtime._check_prompt(request.system, request.tools)
         keys = request_keys(tenant, self.runtime.config.template, request.system, tools, request.history, request.new,
-                            [options, policy and (policy.name, policy.keep_last_k)])
-        p = Prepared(request, tenant, protocol, session_key, policy, keys, "", None, set())
+                            [options, policy and (policy.name, policy.keep_last_k),
+                             cleared and (sorted(cleared.results), sorted(cleared.inputs))])
+        p = Prepared(request, tenant, protocol, session_key, policy, cleared, rules, keys, "", None, set())
         self._choose(p)
         return p
 
@@ -92,7 +98,8 @@ class StatelessSteps:
         for _ in range(4):
             try:
                 step = self.runtime.chat_step(
-                    p.conversation_id, p.request, policy=p.policy, replay=self._replay(p),
+                    p.conversation_id, p.request, policy=p.policy, cleared=p.cleared, rules=p.rules,
+                    replay=self._replay(p),
                     on_commit=lambda conv, step: self.index.record(conv, p.protocol, p.keys, p.session_key, step),
                     **options)
                 self.index.matched[p.match.how if p.match else "new"] += 1

@@ -184,7 +184,8 @@ class StepPath:
             known = dataclasses.replace(known, lost="backend_lost")
         elif conv.protocol is not None and conv.offload is not None and conv.offload.mode == "discard":
             known = dataclasses.replace(known, lost="discarded")
-        if conv.canonical_kind == "canonical":
+        # A canonical branch holds the history as it read before tool uses were cleared from it.
+        if conv.canonical_kind == "canonical" and known.diverged != "tool_uses_cleared":
             known = dataclasses.replace(known, history_computed=True)
         return known
 
@@ -204,6 +205,8 @@ class StepPath:
         if acc.uncached_prefill_tokens is not None and not self.backend.wants_transcript:
             acc = dataclasses.replace(acc, uncached=attribute(
                 prompt, history_len, acc.uncached_prefill_tokens, acc.alignment_loss_tokens, known))
+        if conv.rules is not None:
+            acc = dataclasses.replace(acc, rules=conv.rules)
         # What the next step will know: this sequence was computed; history past it
         # that is not the next step's input was rewritten by the policy.
         conv.known = Known(sequence=result.sequence, diverged="policy_fork",

@@ -22,6 +22,7 @@ from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.protocols.base import compact
 from session_runtime.templates.base import Message, ToolCall
+from session_runtime.tool_clearing import Cleared
 from session_runtime.uncached import Known
 
 HISTORY, TRACE, TURN, STEP = 0, 1, 2, 3  # conv_rows.kind
@@ -80,14 +81,15 @@ def head_row(conv: Conversation) -> str:
     return compact({"system": conv.system, "tools": conv.tools, "template": conv.template,
                    "policy": plain_dict(conv.policy), "materialize": plain_dict(conv.materialize),
                    "offload": plain_dict(conv.offload),
-                   **({"inferred": conv.inferred, "call_prefix": conv.call_prefix} if conv.inferred else {})})
+                   **({"inferred": conv.inferred, "call_prefix": conv.call_prefix} if conv.inferred else {}),
+                   **({"cleared": conv.cleared.as_dict()} if conv.cleared else {})})
 
 
 def head_key(conv: Conversation) -> tuple:
     """What `head_row` is a function of, compared by value (`tools` by identity and length: a
     client's new tools are a new list)."""
     return (conv.system, id(conv.tools), len(conv.tools), conv.template, conv.policy, conv.materialize,
-            conv.offload, conv.inferred)
+            conv.offload, conv.inferred, conv.cleared)
 
 
 def state_row(conv: Conversation) -> str:
@@ -138,6 +140,8 @@ def _conversation(cid, tenant, worker, head: dict, history, trace, turns, protoc
         offload=OffloadSettings(**head.get("offload", {})), history=history, trace=trace, turns=turns,
         protocol=protocol_of(protocol), worker=worker, version=version,
         inferred=head.get("inferred"), call_prefix=head.get("call_prefix", "call"),
+        cleared=Cleared(frozenset(head.get("cleared", {}).get("results", ())),
+                        frozenset(head.get("cleared", {}).get("inputs", ()))),
         canonical_kind="none",  # the KV is gone after a restart: the next step starts from nothing cached
     )
 

@@ -12,7 +12,8 @@ is cut by what the runtime knew of the conversation before the step (`Known`):
   the order of REASONS, which puts evicted and discarded before it); what a
   baseline policy never caches (its output) is `policy_fork`;
 - history past what was computed: never computed for this conversation, and
-  `Known.diverged` says why (`first_seen`, `policy_fork`, `history_replaced`);
+  `Known.diverged` says why (`first_seen`, `policy_fork`, `tool_uses_cleared`:
+  tool uses the request cleared from the prompt, `history_replaced`);
 - the step's own input (`new_input`): its new messages with the template's
   markup and the generation prompt; where the prompt continues the whole
   previous sequence, everything past it is new input (the previous step's
@@ -29,9 +30,9 @@ from typing import Optional, Sequence
 
 from session_runtime.turns import common_prefix
 
-REASONS = ("new_input", "first_seen", "policy_fork", "evicted", "discarded", "page_alignment",
+REASONS = ("new_input", "first_seen", "policy_fork", "tool_uses_cleared", "evicted", "discarded", "page_alignment",
            "backend_lost", "history_replaced")
-DIVERGED = ("first_seen", "policy_fork", "history_replaced")
+DIVERGED = ("first_seen", "policy_fork", "tool_uses_cleared", "history_replaced")
 LOST = ("evicted", "discarded", "backend_lost")
 
 

@@ -16,8 +16,10 @@ state which turns keep their thinking.
   `session_id` inside `metadata.user_id` when that is JSON.
 - **`context_management.edits`**: `clear_thinking_20251015` sets the request's
   reasoning policy (`keep: all` is keep, `thinking_turns` N is keep_last_k N;
-  without the edit the server's `--policy`); it needs thinking on. Other
-  edits (`clear_tool_uses_20250919`) are refused with 400 naming the field.
+  without the edit the server's `--policy`); it needs thinking on.
+  `clear_tool_uses_20250919` clears old tool uses from the prompt
+  (session_runtime/tool_clearing.py). With both, clear_thinking comes first, as
+  Anthropic requires; any other edit is refused with 400 naming the field.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Optional
 
 from session_runtime.errors import InvalidRequest
 from session_runtime.policies import ReasoningPolicy
+from session_runtime.tool_clearing import CLEAR_TOOL_USES, Cleared, ToolUseEdit, parse as parse_tool_edit
 
 CLEAR_THINKING = "clear_thinking_20251015"
 SESSION_HEADER = "x-claude-code-session-id"
@@ -88,38 +91,65 @@ class ThinkingEdit:
         return ReasoningPolicy("keep") if self.keep_turns is None else ReasoningPolicy("keep_last_k", self.keep_turns)
 
 
-def thinking_edit(raw: dict) -> Optional[ThinkingEdit]:
-    """The request's clear_thinking edit, or None without one. Raises
+@dataclass(frozen=True)
+class ContextEdits:
+    """A request's `context_management.edits`, read."""
+
+    thinking: Optional[ThinkingEdit] = None
+    tools: Optional[ToolUseEdit] = None
+
+    @property
+    def policy(self) -> Optional[ReasoningPolicy]:
+        return self.thinking.policy if self.thinking is not None else None
+
+
+def context_edits(raw: dict) -> ContextEdits:
+    """The request's edits (none without `context_management`). Raises
     InvalidRequest (naming the field) for an edit this server does not apply
-    or cannot read, and for clear_thinking without thinking on."""
+    or cannot read, a repeated one, clear_thinking after clear_tool_uses, and
+    clear_thinking without thinking on."""
     cm = raw.get("context_management")
     if cm is None:
-        return None
+        return ContextEdits()
     if not isinstance(cm, dict) or not isinstance(cm.get("edits", []), list):
         raise InvalidRequest("context_management: expected an object with a list of edits",
                              param="context_management")
-    found = None
+    thinking, tools = None, None
     for j, edit in enumerate(cm.get("edits", [])):
         where = f"context_management.edits.{j}"
         kind = edit.get("type") if isinstance(edit, dict) else None
-        if kind != CLEAR_THINKING:
+        if kind not in (CLEAR_THINKING, CLEAR_TOOL_USES):
             raise InvalidRequest(f"{where}.type: {kind!r} is not supported by this server (only "
-                                 f"{CLEAR_THINKING}); leave the edit out", param=f"{where}.type")
-        if found is not None:
-            raise InvalidRequest(f"{where}: a second {CLEAR_THINKING} edit", param=where)
-        found = ThinkingEdit(_keep(edit.get("keep", {"type": "thinking_turns", "value": 1}), f"{where}.keep"))
-    if found is not None and not _thinking_on(raw):
+                                 f"{CLEAR_THINKING} and {CLEAR_TOOL_USES}); leave the edit out",
+                                 param=f"{where}.type")
+        if (thinking if kind == CLEAR_THINKING else tools) is not None:
+            raise InvalidRequest(f"{where}: a second {kind} edit", param=where)
+        if kind == CLEAR_TOOL_USES:
+            tools = parse_tool_edit(edit, where)
+            continue
+        if tools is not None:
+            raise InvalidRequest(f"{where}: {CLEAR_THINKING} must come before {CLEAR_TOOL_USES} in the edits",
+                                 param=where)
+        thinking = ThinkingEdit(_keep(edit.get("keep", {"type": "thinking_turns", "value": 1}), f"{where}.keep"))
+    if thinking is not None and not _thinking_on(raw):
         raise InvalidRequest(f"context_management.edits: {CLEAR_THINKING} needs thinking enabled or adaptive",
                              param="context_management.edits")
-    return found
+    return ContextEdits(thinking, tools)
 
 
-def applied_edits(edit: Optional[ThinkingEdit], cleared_turns: int, cleared_tokens: int) -> Optional[dict]:
-    """The answer's `context_management`, as Anthropic reports the edits it applied."""
-    if edit is None:
+def applied_edits(edits: ContextEdits, cleared_turns: int, cleared_thinking_tokens: int,
+                  cleared: Cleared = Cleared(), cleared_tool_tokens: int = 0) -> Optional[dict]:
+    """The answer's `context_management`, as Anthropic reports the edits it
+    applied (None for a request without edits)."""
+    if edits.thinking is None and edits.tools is None:
         return None
-    applied = [{"type": CLEAR_THINKING, "cleared_thinking_turns": cleared_turns,
-                "cleared_input_tokens": cleared_tokens}] if cleared_turns else []
+    applied = []
+    if edits.thinking is not None and cleared_turns:
+        applied.append({"type": CLEAR_THINKING, "cleared_thinking_turns": cleared_turns,
+                        "cleared_input_tokens": cleared_thinking_tokens})
+    if edits.tools is not None and cleared:
+        applied.append({"type": CLEAR_TOOL_USES, "cleared_tool_uses": len(cleared.results),
+                        "cleared_input_tokens": cleared_tool_tokens})
     return {"applied_edits": applied}
 
 

@@ -36,7 +36,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from session_runtime.api.auth import current_caller
 from session_runtime.api.lean_route import LeanRoute
-from session_runtime.api.messages_input import applied_edits, fold_system_messages, session_key, thinking_edit
+from session_runtime.api.context_edits import apply_edits, original_tokens
+from session_runtime.api.messages_input import context_edits, fold_system_messages, session_key
 from session_runtime.api.messages_stream import Translator
 from session_runtime.api.openai_compat import CONVERSATION_HEADER, Stateless, served_name
 from session_runtime.api.protocol_routes import chat_request, new_id, read_body, reply_of
@@ -45,7 +46,6 @@ from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import cancellable
 from session_runtime.api.token_count import prompt_tokens
 from session_runtime.errors import InvalidRequest
-from session_runtime.policies import ReasoningPolicy
 from session_runtime.protocols import get_protocol
 from session_runtime.protocols.canonical import Call, Msg, Reasoning, Reply, reasoning_text
 from session_runtime.server_secret import ServerSecret
@@ -88,9 +88,11 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
         stream = _stream(raw)
         chat = parsed(raw, secret)
         model = model_of(raw)
-        edit = thinking_edit(raw)
-        stateless = Stateless(PROTOCOL, session_key(raw, request.headers), edit.policy if edit else None)
-        edits = applied_edits(edit, *_cleared(runtime, chat.messages, edit))
+        applied = await anyio.to_thread.run_sync(apply_edits, runtime, chat.messages, chat.tools, caller.tenant,
+                                                  context_edits(raw))
+        stateless = Stateless(PROTOCOL, session_key(raw, request.headers), applied.policy, applied.cleared,
+                              applied.rules)
+        edits = applied.report
         render = None
         if stream:
             chat = chat.model_copy(update={"stream": True})
@@ -112,20 +114,19 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
     @router.post(PATH + "/count_tokens", name=PROTOCOL + "-count-tokens")
     async def count_tokens(request: Request, caller: Caller = Depends(current_caller)):
         """`{"input_tokens": N}`: the prompt tokens, cached or not, that
-        messages.create renders for the same body; with a clear_thinking edit,
-        also `context_management.original_input_tokens`, the count before it."""
+        messages.create renders for the same body; with context edits, also
+        `context_management.original_input_tokens`, the count before them."""
         raw = await read_body(request)
         if as_provider and (refused := validation_error(PROTOCOL, raw)) is not None:
             return refused
         chat = parsed(raw, request.app.state.secret)
-        edit = thinking_edit(raw)
+        edits = context_edits(raw)
+        applied = await anyio.to_thread.run_sync(apply_edits, runtime, chat.messages, chat.tools, caller.tenant, edits)
         count = await anyio.to_thread.run_sync(prompt_tokens, runtime, chat.messages, chat.tools, caller.tenant,
-                                               edit.policy if edit else None)
-        if edit is None:
+                                               applied.policy, applied.cleared)
+        if applied.report is None:
             return {"input_tokens": count}
-        # Before the edits every thinking block the request holds is in the prompt.
-        original = await anyio.to_thread.run_sync(prompt_tokens, runtime, chat.messages, chat.tools, caller.tenant,
-                                                  ReasoningPolicy("keep"))
+        original = await anyio.to_thread.run_sync(original_tokens, runtime, chat.messages, chat.tools, caller.tenant)
         return {"input_tokens": count, "context_management": {"original_input_tokens": original}}
 
     return router
@@ -186,21 +187,3 @@ def _answer(reply: Reply, secret: ServerSecret) -> Reply:
     # The conversation's own toolu_ ids go out as they are: the client sends them back with the results.
     calls = tuple(Call(c.id if c.id.startswith("toolu_") else new_id("toolu_"), c.name, c.arguments) for c in m.calls)
     return dataclasses.replace(reply, message=Msg("assistant", m.content or "", reasoning, calls), id=new_id("msg_"))
-
-
-def _cleared(runtime, messages: list[dict], edit) -> tuple[int, int]:
-    """(turns, tokens) of thinking the edit clears from this request's prompt:
-    the closed turns older than the last `keep_turns` whose assistant
-    messages carry reasoning, and that reasoning's tokens."""
-    if edit is None or edit.keep_turns is None:
-        return 0, 0
-    turns: list[list[str]] = []
-    for m in messages:
-        if m.get("role") == "user":
-            turns.append([])
-        elif m.get("role") == "assistant" and turns and m.get("reasoning_content"):
-            turns[-1].append(m["reasoning_content"])
-    # The last turn is the one this request opens (a user message) or continues (tool results): never cleared.
-    closed = turns[:-1]
-    cleared = [t for t in closed[: max(len(closed) - edit.keep_turns, 0)] if t]
-    return len(cleared), sum(runtime.tokenizer.count(text) for t in cleared for text in t)

@@ -36,6 +36,7 @@ from session_runtime.api.streaming import Render, cancellable, sse_step
 from session_runtime import continuation
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest
 from session_runtime.policies import ReasoningPolicy
+from session_runtime.tool_clearing import Cleared
 from session_runtime.protocols.base import CHAT_PROTOCOLS
 from session_runtime.runtime import Runtime
 from session_runtime.step import Step
@@ -52,12 +53,16 @@ CONVERSATION_HEADER = "x-session-runtime-conversation"
 @dataclass(frozen=True)
 class Stateless:
     """How a protocol route's stateless request is to be inferred: the route
-    (its protocol), the harness's session key, and the reasoning policy the
-    protocol's own controls set for this request (None: the conversation's)."""
+    (its protocol), the harness's session key, the reasoning policy the
+    protocol's own controls set for this request (None: the conversation's),
+    the tool uses its prompt shows cleared (None: as the conversation's), and
+    which of the protocol's rules decided them (the step's `rules`)."""
 
     protocol: str = "openai-chat"
     session_key: Optional[str] = None
     policy: Optional[ReasoningPolicy] = None
+    cleared: Optional[Cleared] = None
+    rules: Optional[dict] = None
 
 
 # The runtime's finish reasons -> OpenAI's.
@@ -211,6 +216,7 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
         if not body.conversation_id:
             prepared = runtime.stateless.prepare(request, tenant=caller.tenant, protocol=stateless.protocol,
                                                  session_key=stateless.session_key, policy=policy,
+                                                 cleared=stateless.cleared, rules=stateless.rules,
                                                  options=[options, body.stream])
             cid, created = prepared.conversation_id, False
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]

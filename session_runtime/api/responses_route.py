@@ -153,7 +153,9 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
                                  param="store")
         include = raw.get("include") if isinstance(raw.get("include"), list) else []
         encrypt = request.app.state.secret.encrypt if ENCRYPTED in include else None
-        stateless = Stateless(PROTOCOL, _cache_key(raw), _reasoning_policy(raw))
+        policy = _reasoning_policy(raw)
+        stateless = Stateless(PROTOCOL, _cache_key(raw), policy, rules=policy and {"reasoning": {
+            "rule": "reasoning.context", "policy": policy.name, "keep_last_k": policy.keep_last_k}})
 
         def answer(cancel):
             responses = state.store(runtime)

@@ -14,11 +14,14 @@ from typing import Optional
 
 from session_runtime import continuation
 from session_runtime.policies import ReasoningPolicy
+from session_runtime.tool_clearing import Cleared
 
 
-def prompt_tokens(runtime, messages: list[dict], tools, tenant, policy: Optional[ReasoningPolicy] = None) -> int:
+def prompt_tokens(runtime, messages: list[dict], tools, tenant, policy: Optional[ReasoningPolicy] = None,
+                  cleared: Optional[Cleared] = None) -> int:
     """The prompt tokens of chat `messages` and `tools` for `tenant`, the
-    earlier turns' reasoning kept as `policy` says (None: the server's). Changes
+    earlier turns' reasoning kept as `policy` says (None: the server's), the
+    `cleared` tool uses cleared (tool_clearing.py). Changes
     nothing that outlives the call. Raises what the chat route raises for the
     same history (InvalidRequest, ContextTooLong, TooManyConversations, ...),
     and ToolCallConflict for tool results that answer no pending call."""
@@ -27,6 +30,6 @@ def prompt_tokens(runtime, messages: list[dict], tools, tenant, policy: Optional
     cid = runtime.create_conversation(request.system, stateless=True, tools=request.tools, tenant=tenant,
                                       history=request.history, **chosen)
     try:
-        return runtime.prompt_tokens(cid, request)
+        return runtime.prompt_tokens(cid, request, cleared)
     finally:
         runtime.delete_conversation(cid)

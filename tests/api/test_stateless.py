@@ -289,3 +289,78 @@ def test_the_fields_harnesses_send_are_accepted(live, rt):
     r = chat(live, [{"role": "system", "content": system()}, {"role": "user", "content": "Hi"}],
              reasoning_effort="high", user="someone")
     assert r.status_code == 200, r.text
+
+
+def test_clear_tool_uses_forks_at_the_first_cleared_result(live, rt):
+    """clear_tool_uses_20250919 over a history of three tool uses: the prompt
+    shows the cleared results as the placeholder (the stored trace keeps them
+    as sent), the answer reports them, count_tokens counts after the edit, and
+    a later request that clears more forks the chain at the first newly
+    cleared result: the prefix before it is read from the cache, the rest is
+    prefilled as `tool_uses_cleared`; a request without the edit clears nothing."""
+    from session_runtime.tool_clearing import PLACEHOLDER
+
+    sys_text = system()
+    messages = [{"role": "user", "content": "Sum up"}]  # no tools offered: the tiny preset's context is short
+    for i in range(3):
+        messages += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "read",
+                                                        "input": {"p": f"f{i}"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}",
+                                                   "content": f"file {i}: " + "x = 1; " * 4}]}]
+
+    def edit(keep):  # every turn keeps its thinking: the only fork is the clearing's
+        return {"thinking": {"type": "adaptive"}, "context_management": {"edits": [
+            {"type": "clear_thinking_20251015", "keep": "all"},
+            {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 1},
+             "keep": {"type": "tool_uses", "value": keep}}]}}
+
+    def send(messages, key="key-a", **extra):
+        body = {"model": "claude-sonnet-4-5", "system": sys_text, "messages": messages,
+                "max_tokens": 4, "temperature": 0, **extra}
+        r = httpx.post(f"{live.url}/v1/messages", json=body, headers={"x-api-key": key}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r
+
+    first = send(messages, **edit(2))  # keep 2 of 3: the first result is cleared
+    cid = first.headers[HEADER]
+    applied = first.json()["context_management"]["applied_edits"]
+    assert [(e["type"], e["cleared_tool_uses"]) for e in applied] == [("clear_tool_uses_20250919", 1)]
+    whole = send(messages, key="key-b", thinking={"type": "adaptive"}, context_management={"edits": [
+        {"type": "clear_thinking_20251015", "keep": "all"}]})  # nothing cleared, in another tenant's conversation
+    assert whole.json()["context_management"] == {"applied_edits": []}
+    usage = lambda r: r.json()["usage"]["input_tokens"] + r.json()["usage"]["cache_read_input_tokens"]  # noqa: E731
+    assert usage(whole) - usage(first) == applied[0]["cleared_input_tokens"] > 0
+    conv = rt.get(cid)
+    assert [m.content for m in conv.history if m.role == "tool"][0] == PLACEHOLDER
+    assert PLACEHOLDER not in [m.message.content for m in conv.trace]
+
+    counted = httpx.post(f"{live.url}/v1/messages/count_tokens", headers={"x-api-key": "key-a"}, json={
+        "model": "claude-sonnet-4-5", "system": sys_text, "messages": messages, **edit(2)}).json()
+    assert counted["input_tokens"] == usage(first)
+    assert counted["context_management"]["original_input_tokens"] == usage(whole)
+
+    # The next turn clears one more (keep 1): the chain forks at the second result.
+    messages += [{"role": "assistant", "content": first.json()["content"] or [{"type": "text", "text": ""}]},
+                 {"role": "user", "content": "And now?"}]
+    second = send(messages, **edit(1))
+    assert second.headers[HEADER] == cid
+    assert second.json()["context_management"]["applied_edits"][0]["cleared_tool_uses"] == 2
+    conv = rt.get(cid)
+    step = conv.turns[-1].steps[0]
+    reasons = {e["reason"]: e["tokens"] for e in step.uncached}
+    assert reasons.get("tool_uses_cleared", 0) > 0, step.uncached
+    assert step.rules == {"reasoning": {"rule": "clear_thinking_20251015", "policy": "keep", "keep_last_k": 1},
+                          "tool_uses": {"rule": "clear_tool_uses_20250919", "cleared": 2, "cleared_inputs": 0}}
+    # What comes before the second result (system, tools, the task, the first use, the second call) is reused.
+    tpl = rt.template(conv.template)
+    keep = conv.policy.kept_turns(conv.closed_turns)
+    before = tpl.rendered_length(conv.system, conv.tools, conv.history[:4], keep, False)
+    assert step.cached_input_tokens + step.host_loaded_tokens >= before // 16 * 16 > 0
+    assert [m.content for m in conv.history if m.role == "tool"][:3] == [PLACEHOLDER] * 2 + ["file 2: " + "x = 1; " * 4]
+
+    # Without the edit nothing is cleared: the stored results come back into the prompt.
+    messages += [{"role": "assistant", "content": second.json()["content"] or [{"type": "text", "text": ""}]},
+                 {"role": "user", "content": "Once more"}]
+    third = send(messages, thinking={"type": "adaptive"})
+    assert third.headers[HEADER] == cid and "context_management" not in third.json()
+    assert PLACEHOLDER not in [m.content for m in rt.get(cid).history]
