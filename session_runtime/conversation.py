@@ -131,6 +131,9 @@ class Conversation:
     # The tool uses its prompt shows cleared (tool_clearing.py): the history
     # shows them so, the trace as the client sent them.
     cleared: Cleared = field(default_factory=Cleared)
+    # An inferred conversation's tail digest (inference.py) as of its last
+    # write, stored with it so that other processes find it by its history.
+    tail: Optional[bytes] = field(default=None, compare=False)
     # Which of the protocol's rules decided the running step's prompt (its
     # accounting's `rules`); set by Runtime.chat_step for that step only.
     rules: Optional[dict] = field(default=None, compare=False)

@@ -143,3 +143,18 @@ class UpstreamUnavailable(BackendUnavailable):
         super().__init__(message)
         self.status = status
         self.details = details
+
+
+class OwnedElsewhere(RuntimeErrorBase):
+    """A stateless request's conversation is served by another runtime process
+    of the fleet: api/forward.py relays the request there (RELAY names it);
+    a request relayed once already gets this 503 and may retry."""
+
+    status = 503
+    error_type = "unavailable"
+    RELAY = "x-session-runtime-relay-to"
+
+    def __init__(self, cid: str, owner: str, url: str):
+        super().__init__(f"conversation {cid!r} is served by runtime process {owner}, which took it over while "
+                         "this request was relayed; retry")
+        self.headers = {self.RELAY: f"{owner} {url}", "retry-after": "1"}

@@ -27,8 +27,10 @@ same pass that parsing its body already makes.
 The index also keeps each inferred conversation's last use, for the idle TTL
 that deletes them (`--session-idle-ttl-s`) and for the tenant's cap, which
 evicts the tenant's least recently used inferred conversation instead of
-refusing stateless traffic. It lives in memory: after a restart a stateless
-request starts a new conversation (the stored ones stay until they expire).
+refusing stateless traffic. It lives in memory; each step also stores its
+conversation's tail digest with the step (`Conversation.tail`, the store's
+`inferred` table), where a restarted process, or another process of a fleet,
+finds it (stateless.py) when its own index does not know the request's history.
 """
 
 from __future__ import annotations
@@ -65,6 +67,17 @@ class Match:
 
     conversation_id: str
     how: str  # "retry" (the last step's input again), "history" (its tail) or "session_key"
+
+
+@dataclass(frozen=True)
+class StoredInferred:
+    """An inferred conversation as the store keeps it for the index (store.py `inferred`)."""
+
+    conversation_id: str
+    tenant: Optional[str]
+    protocol: str
+    tail: bytes
+    idle_s: float  # since its last write
 
 
 @dataclass
@@ -185,21 +198,46 @@ class SessionIndex:
             self._touch(cid, e)
             return e.step
 
+    def tail_of(self, conv) -> bytes:
+        """The tail digest of inferred conversation `conv` as it is now (under
+        its lock, before its step is stored): hashes only the trace messages
+        added since the last call."""
+        with self._lock:
+            return self._advance(conv, conv.inferred).state.digest()
+
+    def seed(self, stored: Sequence["StoredInferred"]) -> None:
+        """The stored inferred conversations found at start-up (before any
+        request): known to the TTL and the tenant's cap, and by their tails;
+        each one's hash state is rebuilt from its trace at its next step."""
+        now = self._clock()
+        with self._lock:
+            for s in sorted(stored, key=lambda s: -s.idle_s):  # least recently used first
+                e = _Entry(s.tenant, s.protocol, (), hashlib.blake2b(digest_size=20), count=-1, tail=s.tail)
+                e.used = now - max(0.0, s.idle_s)
+                self._entries[s.conversation_id] = e
+                self._tails[s.tail] = s.conversation_id
+
+    def _advance(self, conv, protocol: Optional[str]) -> _Entry:
+        """The conversation's entry, its hash state over its whole trace (the lock held)."""
+        e = self._entries.get(conv.id)
+        head = (conv.system, id(conv.tools), len(conv.tools))
+        if e is None or e.head != head or e.count > len(conv.trace) or e.count < 0:
+            if e is not None:
+                self._unindex(conv.id, e)
+            e = _Entry(conv.tenant, protocol or "openai-chat", head,
+                       _start(conv.tenant, conv.template, conv.system, conv.tools))
+            self._entries[conv.id] = e
+        for entry in conv.trace[e.count:]:
+            _message(e.state, entry.message)
+        e.count = len(conv.trace)
+        return e
+
     def record(self, conv, protocol: str, keys: RequestKeys, session_key: Optional[str], step) -> None:
         """After a committed step of inferred conversation `conv` (under its
         lock): index its new tail, the request as its last input, and the
         session key. Hashes only the trace messages added since the last record."""
         with self._lock:
-            e = self._entries.get(conv.id)
-            head = (conv.system, id(conv.tools), len(conv.tools))
-            if e is None or e.head != head or e.count > len(conv.trace):
-                if e is not None:
-                    self._unindex(conv.id, e)
-                e = _Entry(conv.tenant, protocol, head, _start(conv.tenant, conv.template, conv.system, conv.tools))
-                self._entries[conv.id] = e
-            for entry in conv.trace[e.count:]:
-                _message(e.state, entry.message)
-            e.count = len(conv.trace)
+            e = self._advance(conv, protocol)
             self._unindex(conv.id, e)
             e.tail, e.input = e.state.digest(), keys.input
             e.session_key = (conv.tenant, session_key) if session_key else None

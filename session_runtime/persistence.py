@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from session_runtime.conversation import Conversation
+from session_runtime.errors import OwnedElsewhere
 from session_runtime.store import Store, Stored, Unstored
 
 log = logging.getLogger("session_runtime.runtime")
@@ -43,6 +44,8 @@ class Persistence:
             self.store = Store(Path(self.config.data_dir) / "conversations.sqlite3")
         for stored in self.store.index() if self.store is not None else ():
             self._know(stored)
+        if self.store is not None and self.fleet is None:  # a fleet's members each sweep what they serve
+            self.sessions.seed(self.store.inferred())
         # Chains of conversations it does not know are released; in a fleet the
         # others' chains are theirs (a dead one's go back to the LRU after its lease).
         self.backend.adopt(sorted(self.conversations) if self.fleet is None else [],
@@ -74,6 +77,20 @@ class Persistence:
             stored = self.store.stored(cid)
             if stored is not None:
                 self._know(stored)
+
+    def serve_here(self, cid: str) -> None:
+        """In a fleet, before a stateless request steps `cid` (found by its
+        history, not named in the request, so api/forward.py could not route
+        it): raises OwnedElsewhere when another live process owns it, which the
+        relay turns into the request's relay to that process; else makes it
+        served here, as the relay does for a named conversation."""
+        if self.fleet is None:
+            return
+        route = self.fleet.owned(cid) or self.fleet.route(cid)
+        if route.url is not None:
+            raise OwnedElsewhere(cid, route.owner, route.url)
+        if route.claimed or cid not in self.conversations:
+            self.take(cid, route.claimed)
 
     def _forget_resident(self) -> None:
         """This process's beat lapsed: another may have served its conversations since."""
@@ -124,6 +141,8 @@ class Persistence:
 
     def _persist(self, conv: Conversation) -> None:
         conv.worker = self.backend.worker_of(conv.id) or conv.worker  # a step may have moved it
+        if conv.inferred and self.store is not None:
+            conv.tail = self.sessions.tail_of(conv)
         self._sized(conv, (self.store or self._unstored).save(conv))
 
     def _sized(self, conv: Conversation, size: Optional[int]) -> None:

@@ -8,7 +8,9 @@ request's history, before any answer starts (so the answer can name it);
 the stored one under the conversation's lock. A guess the check refuses (a
 race moved the conversation on, an edited or compacted history) falls back to
 the next candidate and finally to a new conversation: a request that matches
-nothing never changes a stored conversation. A retry of the last step (the
+nothing never changes a stored conversation. With a store, a history this
+process's index does not know is looked up by its digest in the store too
+(a restart, or another process of a fleet, which the request is relayed to). A retry of the last step (the
 same history and input again) replays that step's answer, never a second turn.
 
 Inferred conversations expire after `--session-idle-ttl-s` without a request,
@@ -116,12 +118,22 @@ class StatelessSteps:
         raise AssertionError("a new conversation's step neither ran nor failed")
 
     def _choose(self, p: Prepared) -> None:
+        """The next conversation to try: this process's index, a racing
+        creation, then the store's tails (another process's, or one this
+        process stored before a restart). In a fleet, one another live process
+        owns is not stepped here: OwnedElsewhere relays the request there."""
         match = self.index.find(p.keys, p.tenant, p.session_key)
         if match is None:
             with self._creating_lock:
                 racing = self._creating.get(p.keys.input)
             match = Match(racing, "retry") if racing is not None else None
+        store = self.runtime.store
+        if match is None and store is not None:
+            # The digest carries the tenant: no other tenant's conversation has this tail.
+            cid = store.find_tail(p.keys.history)
+            match = Match(cid, "history") if cid is not None else None
         if match is not None and (match.conversation_id, match.how) not in p.tried:
+            self.runtime.serve_here(match.conversation_id)
             p.conversation_id, p.match = match.conversation_id, match
         else:
             p.conversation_id, p.match = self._create(p), None

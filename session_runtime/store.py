@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator, NamedTuple, Optional
 
 from session_runtime.conversation import Conversation
+from session_runtime.inference import StoredInferred
 from session_runtime.store_delta import Written, delta, written_of
 from session_runtime.store_rows import conversation_of, legacy_conversation, parked_row, unpark
 
@@ -49,6 +50,14 @@ _SCHEMA = (
     data TEXT NOT NULL,
     PRIMARY KEY (conv, kind, seq, sub)
 ){rowid}""",
+    # Inferred conversations' tail digests (inference.py), for a restarted
+    # process and the other processes of a fleet: written with each step.
+    """CREATE TABLE IF NOT EXISTS inferred (
+    conv TEXT PRIMARY KEY,
+    tail TEXT NOT NULL,
+    protocol TEXT NOT NULL
+)""",
+    "CREATE INDEX IF NOT EXISTS inferred_tail ON inferred(tail)",
 )
 
 # A step's rows in one statement (SQLite runs `executemany` a row at a time, each
@@ -74,6 +83,7 @@ class Store:
     Safe to call from several threads."""
 
     now = "julianday('now')"  # the dialect's clock, for `updated_at`
+    seconds_per_tick = 86400.0  # of that clock (days)
 
     def __init__(self, path: Path):
         # The file holds every tenant's conversations: readable by its owner
@@ -138,6 +148,9 @@ class Store:
         else:
             self._sql("UPDATE conv SET worker = ?, bytes = ?, state = ?, parked = NULL, "
                       f"updated_at = {self.now} WHERE id = ?", (conv.worker, size, d.state, conv.id))
+        if conv.inferred and conv.tail is not None:
+            self._sql("INSERT INTO inferred(conv, tail, protocol) VALUES(?, ?, ?) "
+                      "ON CONFLICT(conv) DO UPDATE SET tail = excluded.tail", (conv.id, conv.tail.hex(), conv.inferred))
 
     begin = "BEGIN IMMEDIATE"
 
@@ -163,6 +176,7 @@ class Store:
             def gone() -> None:
                 self._fence(conversation_id)
                 self._sql("DELETE FROM conv_rows WHERE conv = ?", (conversation_id,))
+                self._sql("DELETE FROM inferred WHERE conv = ?", (conversation_id,))
                 self._sql("DELETE FROM conv WHERE id = ?", (conversation_id,))
             self._transaction(gone)
             self._written.pop(conversation_id, None)
@@ -180,6 +194,20 @@ class Store:
         with self._lock:
             row = self._sql("SELECT id, tenant, worker, bytes FROM conv WHERE id = ?", (conversation_id,)).fetchone()
         return None if row is None else Stored(*row)
+
+    def find_tail(self, tail: bytes) -> Optional[str]:
+        """The inferred conversation whose transcript has the tail digest `tail` (inference.py), if one is stored."""
+        with self._lock:
+            row = self._sql("SELECT conv FROM inferred WHERE tail = ?", (tail.hex(),)).fetchone()
+        return None if row is None else row[0]
+
+    def inferred(self) -> list[StoredInferred]:
+        """Every stored inferred conversation, with its idle time (since its last write)."""
+        with self._lock:
+            rows = self._sql(f"SELECT i.conv, c.tenant, i.protocol, i.tail, {self.now} - c.updated_at "
+                             "FROM inferred i JOIN conv c ON c.id = i.conv").fetchall()
+        return [StoredInferred(cid, tenant, protocol, bytes.fromhex(tail), float(idle) * self.seconds_per_tick)
+                for cid, tenant, protocol, tail, idle in rows]
 
     def forget(self, conversation_id: Optional[str] = None) -> None:
         """What this process wrote of a conversation (None: of every one) may

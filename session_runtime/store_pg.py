@@ -36,6 +36,7 @@ class NotOwner(Exception):
 
 class PgStore(Store):
     now = "extract(epoch from clock_timestamp())"
+    seconds_per_tick = 1.0
     begin = "BEGIN"
     member: Optional[str] = None  # in a fleet (fleet.py): this process; its writes are fenced
     _pipelined = False  # inside a transaction's pipeline (the store's lock held)

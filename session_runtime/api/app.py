@@ -34,7 +34,7 @@ from session_runtime.api.streaming import cancellable, sse_step
 from session_runtime.api.security_headers import SecurityHeaders
 from session_runtime.api.tree_page import tree_page_router
 from session_runtime.api.schemas import CreateConversation, SendMessage, SendToolResults
-from session_runtime.errors import ConversationNotFound, RuntimeErrorBase
+from session_runtime.errors import ConversationNotFound, OwnedElsewhere, RuntimeErrorBase
 from session_runtime.metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE, Metrics
 from session_runtime.runtime import Runtime
 from session_runtime.server_secret import ServerSecret
@@ -76,7 +76,8 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
 
     @app.exception_handler(RuntimeErrorBase)
     def _runtime_error(request: Request, exc: RuntimeErrorBase) -> JSONResponse:
-        metrics.record_error()
+        if not isinstance(exc, OwnedElsewhere):  # relayed by api/forward.py, not answered
+            metrics.record_error()
         return error_response(ApiError.of(exc), request.url.path)
 
     @app.exception_handler(RequestValidationError)

@@ -51,7 +51,7 @@ class ApiError:
     @classmethod
     def of(cls, exc: RuntimeErrorBase) -> "ApiError":
         return cls(exc.status, exc.error_type, str(exc), getattr(exc, "param", None),
-                   details=getattr(exc, "details", None))
+                   headers=getattr(exc, "headers", None) or {}, details=getattr(exc, "details", None))
 
 
 def is_anthropic_route(path: str) -> bool:

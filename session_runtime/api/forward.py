@@ -4,7 +4,11 @@ answer (streams included) relayed as it comes.
 
 The conversation of a request is read from the path
 (`/v1/conversations/{id}...`), from `conversation_id` in a chat completion's
-body, or from `/debug/tree?conversation=`. A forwarded request carries
+body, or from `/debug/tree?conversation=`. A stateless request names none:
+the route finds its conversation by its history (stateless.py), and when
+another process owns that one, answers OwnedElsewhere, whose response this
+middleware swallows to relay the request there instead (or passes on as a
+503 when the request was relayed once already). A forwarded request carries
 `x-session-runtime-forwarded` and is never relayed again: where it lands,
 the conversation is taken over if its owner is gone (the relaying process
 found this one its first choice), or refused with a 503 if another process
@@ -34,11 +38,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from session_runtime.api.auth import _header
 from session_runtime.api.content_type import read_body
 from session_runtime.api.errors import ApiError, error_response
+from session_runtime.errors import OwnedElsewhere
+from session_runtime.fleet import Route
 
 FORWARDED = b"x-session-runtime-forwarded"
 MEMBER = b"x-session-runtime-member"
 VIA = b"x-session-runtime-via"
 _PATH = re.compile(r"^/v1/conversations/([^/]+)")
+_RELAY = OwnedElsewhere.RELAY.encode()
 _HOP = {b"connection", b"keep-alive", b"transfer-encoding"}  # hop-by-hop: never relayed
 _SET_BY_CLIENT = {b"host", b"content-length"}  # httpx writes the relayed request's own
 
@@ -74,13 +81,39 @@ class Forward:
                                                      f"{cid!r}: {exc}")
                 return
         if route is None or route.url is None:
-            await self.app(scope, replay, _stamped(send, MEMBER, fleet.id))
+            relay_to = await self._serve(scope, replay, send, relayed)
+            if relay_to is not None:
+                owner, _, url = relay_to.partition(" ")
+                await self._relay(scope, body, Route(owner, url), send)
             return
         if relayed:  # relayed once already, and another member took it meanwhile: never twice
             await self._unavailable(scope, send, f"conversation {cid!r} moved to runtime process {route.owner} "
                                                  "while this request was relayed; retry")
             return
         await self._relay(scope, body, route, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, relayed: bool) -> Optional[str]:
+        """Serve the request here. Returns "owner url" instead when the route
+        answered OwnedElsewhere to a request not relayed yet (that answer
+        swallowed); once relayed, the answer goes out as the 503 it is."""
+        stamped = _stamped(send, MEMBER, self.runtime.fleet.id)
+        relay_to: Optional[str] = None
+
+        async def watch(message: Message) -> None:
+            nonlocal relay_to
+            if message["type"] == "http.response.start":
+                headers = message.get("headers", ())
+                found = next((v for k, v in headers if k.lower() == _RELAY), None)
+                if found is not None and not relayed:
+                    relay_to = found.decode("latin-1")
+                    return
+                message = {**message, "headers": [(k, v) for k, v in headers if k.lower() != _RELAY]}
+            elif relay_to is not None:
+                return  # the swallowed answer's body
+            await stamped(message)
+
+        await self.app(scope, receive, watch)
+        return relay_to
 
     async def _relay(self, scope: Scope, body: bytes, route, send: Send) -> None:
         me = self.runtime.fleet.id

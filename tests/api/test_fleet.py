@@ -74,6 +74,7 @@ def test_any_process_answers_and_one_serves_each_conversation(tmp_path, pg_url):
         assert [m["content"] for m in d["trace"] if m["role"] == "user"] == ["m0", "m1", "m2"]
         _openai_sdk_streams_through_a_relay(pg_url, {h["member"]: u for h, u in zip(health, (url_a, url_b))})
         _bad_input_is_refused_where_it_lands(url_a)
+        _stateless_loop_through_both(url_a, url_b)
     finally:
         _stop(a, b)
 
@@ -100,6 +101,27 @@ def _openai_sdk_streams_through_a_relay(pg_url: str, urls: dict) -> None:
     assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason in ("stop", "length")
     d = httpx.get(f"{urls[other]}/v1/conversations/sdk-fleet").json()
     assert [t["content"] for t in d["trace"] if t["role"] == "user"] == ["Hello", "Again"]
+
+
+def _stateless_loop_through_both(url_a: str, url_b: str) -> None:
+    """A stateless chat loop (no conversation named: a harness's), its
+    requests sent to each process in turn: one conversation, served by the
+    process that created it; the other finds it by its history in the store
+    and relays the request there."""
+    HEADER = "x-session-runtime-conversation"
+    messages = [{"role": "system", "content": "A stateless fleet loop."}, {"role": "user", "content": "Hi"}]
+    seen = []
+    for k in range(4):
+        url = (url_a, url_b)[k % 2]
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+        seen.append((r.headers[HEADER], r.headers[MEMBER], VIA in r.headers))
+        messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"next {k}"}]
+    assert len({cid for cid, _, _ in seen}) == 1 and len({member for _, member, _ in seen}) == 1, seen
+    assert [via for _, _, via in seen] == [False, True, False, True], seen
+    d = httpx.get(f"{url_b}/v1/conversations/{seen[0][0]}").json()
+    assert d["inferred"] == "openai-chat" and len(d["turns"]) == 4
 
 
 def _bad_input_is_refused_where_it_lands(url: str) -> None:

@@ -215,3 +215,29 @@ def test_the_data_file_is_its_owners_only(tmp_path):
         assert mode(legacy) == 0o600
     finally:
         os.umask(old)
+
+
+def test_a_stateless_client_goes_on_after_the_restart(tmp_path):
+    """A harness's conversation (stateless requests, each with the whole
+    history) is found again after a restart: by its history's digest, stored
+    with each step, not by this process's index, which starts empty; it is
+    known to the idle TTL from the start."""
+    data_dir = str(tmp_path / "data")
+    messages = [{"role": "system", "content": "Stateless, persisted."}, {"role": "user", "content": "Hi"}]
+
+    def turn(c) -> str:
+        r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        messages.extend([{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"more {len(messages)}"}])
+        return r.headers["x-session-runtime-conversation"]
+
+    with served(data_dir=data_dir) as s1, httpx.Client(base_url=s1.url, timeout=120) as c:
+        cid = turn(c)
+        assert turn(c) == cid
+    with served(data_dir=data_dir, session_idle_ttl_s=3600) as s2, httpx.Client(base_url=s2.url, timeout=120) as c:
+        assert cid in s2.runtime.sessions  # seeded from the store
+        assert turn(c) == cid
+        d = c.get(f"/v1/conversations/{cid}").json()
+        assert d["inferred"] == "openai-chat" and len(d["turns"]) == 3
+        s2.runtime.check_integrity()
