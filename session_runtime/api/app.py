@@ -182,7 +182,7 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
     chat = build_router(runtime, metrics.record_step, metrics.record_error, settings.validate)
     app.include_router(chat)
     if runtime.backend.name != "upstream":  # Anthropic Messages and OpenAI Responses, answered here
-        app.include_router(build_protocol_routes(chat, settings.validate, runtime))
+        app.include_router(build_protocol_routes(chat.answers, settings.validate, runtime))
 
     @app.post("/admin/workers/{wid}/drain")
     def drain(wid: str) -> dict:

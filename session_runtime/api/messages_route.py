@@ -1,5 +1,5 @@
 """`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic
-Messages, served by the local engine through the chat route (api/protocol_routes.py
+Messages, served by the local engine as steps (api/step_input.py; api/protocol_routes.py
 has what the protocol routes share). Stateless: each request runs as a step of
 the conversation its history continues (session inference,
 session_runtime/stateless.py), named in the `x-session-runtime-conversation`
@@ -39,10 +39,11 @@ from session_runtime.api.lean_route import LeanRoute
 from session_runtime.api.context_edits import apply_edits, original_tokens
 from session_runtime.api.messages_input import context_edits, fold_system_messages, session_key
 from session_runtime.api.messages_stream import Translator
-from session_runtime.api.openai_compat import CONVERSATION_HEADER, Stateless, served_name
-from session_runtime.api.protocol_routes import chat_request, new_id, read_body, reply_of
+from session_runtime.api.openai_compat import served_name
+from session_runtime.api.protocol_routes import new_id, read_body, reply_of, step_input
 from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.settings import Caller
+from session_runtime.api.step_input import CONVERSATION_HEADER, Stateless, StepAnswers, StepInput
 from session_runtime.api.streaming import cancellable
 from session_runtime.api.token_count import prompt_tokens
 from session_runtime.errors import InvalidRequest
@@ -55,8 +56,8 @@ PROTOCOL = "anthropic"
 _TOOL_CHOICES = ("auto", "any", "tool", "none")
 
 
-def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
-    """The two routes, answering through `chat_router.complete`; `validate`:
+def build(answers: StepAnswers, validate: Optional[str], runtime) -> APIRouter:
+    """The two routes, answering through `answers`; `validate`:
     the server answers as that provider (--validate), which takes its model names."""
     router = APIRouter(route_class=LeanRoute)  # the step routes' requests read lean (api/lean_route.py)
     adapter = get_protocol(PROTOCOL)
@@ -69,15 +70,15 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
             return runtime.served_names[0]
         return served_name(runtime, model)
 
-    def parsed(raw: object, secret: ServerSecret):
-        """The chat route's request for an Anthropic body (its system messages
+    def parsed(raw: object, secret: ServerSecret) -> StepInput:
+        """The step request of an Anthropic body (its system messages
         folded). Raises InvalidRequest, ModelNotFound."""
         if isinstance(raw, dict):
             raw = fold_system_messages(raw)
         model_of(raw)
-        chat = chat_request(adapter, PROTOCOL, _tool_choice(raw), None)
+        inp = step_input(adapter, PROTOCOL, _tool_choice(raw), None)
         _check_thinking(raw, secret)  # the body parsed: its messages and blocks have their shapes
-        return chat
+        return inp
 
     @router.post(PATH, name=PROTOCOL)
     async def create(request: Request, caller: Caller = Depends(current_caller)):
@@ -86,30 +87,22 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
             return refused
         secret: ServerSecret = request.app.state.secret
         stream = _stream(raw)
-        chat = parsed(raw, secret)
+        inp = parsed(raw, secret)
         model = model_of(raw)
-        applied = await anyio.to_thread.run_sync(apply_edits, runtime, chat.messages, chat.tools, caller.tenant,
+        applied = await anyio.to_thread.run_sync(apply_edits, runtime, inp.messages, inp.tools, caller.tenant,
                                                   context_edits(raw))
-        stateless = Stateless(PROTOCOL, session_key(raw, request.headers), applied.policy, applied.cleared,
-                              applied.rules)
+        inp = dataclasses.replace(inp, stream=stream, stateless=Stateless(
+            PROTOCOL, session_key(raw, request.headers), applied.policy, applied.cleared, applied.rules))
         edits = applied.report
-        render = None
-        if stream:
-            chat = chat.model_copy(update={"stream": True})
-            render = Translator(new_id("msg_"), model, secret.sign, context_management=edits).render
-        result = await cancellable(request, lambda cancel: chat_router.complete(chat, caller, cancel, stateless,
-                                                                                render))
-        if stream:
-            if not isinstance(result, StreamingResponse) or result.status_code != 200:
-                return result  # a refusal already in its final shape
+        render = Translator(new_id("msg_"), model, secret.sign, context_management=edits).render if stream else None
+        result = await cancellable(request, lambda cancel: answers.answer(inp, caller, cancel, render))
+        if isinstance(result, StreamingResponse):
             result.headers["cache-control"] = "no-cache"
             return result  # the step's events in Anthropic's, rendered by the Translator
-        if not isinstance(result, dict):
-            return result  # a refusal already in its final shape
         body = adapter.render_response(_answer(reply_of(result), secret), model)
         if edits is not None:
             body["context_management"] = edits
-        return JSONResponse(body, headers={CONVERSATION_HEADER: result.get("conversation_id") or ""})
+        return JSONResponse(body, headers={CONVERSATION_HEADER: result.conversation_id})
 
     @router.post(PATH + "/count_tokens", name=PROTOCOL + "-count-tokens")
     async def count_tokens(request: Request, caller: Caller = Depends(current_caller)):
@@ -119,14 +112,14 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
         raw = await read_body(request)
         if as_provider and (refused := validation_error(PROTOCOL, raw)) is not None:
             return refused
-        chat = parsed(raw, request.app.state.secret)
+        inp = parsed(raw, request.app.state.secret)
         edits = context_edits(raw)
-        applied = await anyio.to_thread.run_sync(apply_edits, runtime, chat.messages, chat.tools, caller.tenant, edits)
-        count = await anyio.to_thread.run_sync(prompt_tokens, runtime, chat.messages, chat.tools, caller.tenant,
+        applied = await anyio.to_thread.run_sync(apply_edits, runtime, inp.messages, inp.tools, caller.tenant, edits)
+        count = await anyio.to_thread.run_sync(prompt_tokens, runtime, inp.messages, inp.tools, caller.tenant,
                                                applied.policy, applied.cleared)
         if applied.report is None:
             return {"input_tokens": count}
-        original = await anyio.to_thread.run_sync(original_tokens, runtime, chat.messages, chat.tools, caller.tenant)
+        original = await anyio.to_thread.run_sync(original_tokens, runtime, inp.messages, inp.tools, caller.tenant)
         return {"input_tokens": count, "context_management": {"original_input_tokens": original}}
 
     return router

@@ -16,11 +16,9 @@ penalties, `logit_bias`, `response_format`, `stop`, `n` > 1) are refused with
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from fastapi import APIRouter, Depends, Request
@@ -32,41 +30,12 @@ from session_runtime.api.errors import ModelNotFound, openai_body
 from session_runtime.api.lean_route import LeanRoute
 from session_runtime.api.proxy_routes import answerable, proxy_completion, request_body, validation_error
 from session_runtime.api.settings import Caller
-from session_runtime.api.streaming import Render, cancellable, sse_step
-from session_runtime import continuation
-from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest
-from session_runtime.policies import ReasoningPolicy
-from session_runtime.tool_clearing import Cleared
+from session_runtime.api.step_input import CONVERSATION_HEADER, FINISH, StepAnswers, StepInput
+from session_runtime.api.streaming import cancellable, sse_lines
+from session_runtime.errors import InvalidRequest
 from session_runtime.protocols.base import CHAT_PROTOCOLS
 from session_runtime.runtime import Runtime
 from session_runtime.step import Step
-
-class UnknownConversation(ConversationNotFound):
-    def __str__(self) -> str:
-        return (f"conversation {self.args[0]!r} not found; to create it with this id, send \"create\": true "
-                "with conversation_id")
-
-
-CONVERSATION_HEADER = "x-session-runtime-conversation"
-
-
-@dataclass(frozen=True)
-class Stateless:
-    """How a protocol route's stateless request is to be inferred: the route
-    (its protocol), the harness's session key, the reasoning policy the
-    protocol's own controls set for this request (None: the conversation's),
-    the tool uses its prompt shows cleared (None: as the conversation's), and
-    which of the protocol's rules decided them (the step's `rules`)."""
-
-    protocol: str = "openai-chat"
-    session_key: Optional[str] = None
-    policy: Optional[ReasoningPolicy] = None
-    cleared: Optional[Cleared] = None
-    rules: Optional[dict] = None
-
-
-# The runtime's finish reasons -> OpenAI's.
-FINISH = {"forced": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 class ChatRequest(BaseModel):
@@ -159,6 +128,7 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
     router = APIRouter(route_class=LeanRoute)  # the step routes' requests read lean (api/lean_route.py)
     upstream = runtime.backend.name == "upstream"
     created = int(time.time())
+    answers = StepAnswers(runtime, record_step, record_error)
 
     def card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "session-runtime"}
@@ -182,13 +152,9 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
             body = body.model_copy(update={"messages": answerable(body.messages), "model": None})
         return named(await cancellable(request, lambda cancel: complete(body, caller, cancel)))
 
-    def complete(body: ChatRequest, caller: Caller, cancel, stateless: Stateless = Stateless(),
-                 render: Optional[Render] = None):
-        """The chat request's answer: a completion (dict), or a stream whose
-        headers name the conversation. `stateless`: how a request without
-        conversation_id is matched to its conversation; `render`: another
-        protocol's rendering of the step's typed events (api/streaming.py), for
-        a stream in that protocol's events instead of chat chunks."""
+    def complete(body: ChatRequest, caller: Caller, cancel):
+        """The chat request's answer: a completion (dict), or a stream of chat
+        chunks whose headers name the conversation."""
         if upstream and not body.conversation_id:  # the client's transcript, to the provider
             return proxy_completion(runtime.backend, request_body(body), record_step)
         model = runtime.served_names[0]
@@ -198,63 +164,30 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
             raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step",
                                  param="stop")
         _refuse_unsupported(body)
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        # No cap: what remains of the context (at most --max-tokens-limit). Refused before anything changes.
-        max_tokens = runtime.max_tokens(limit, default=None)
-        request = continuation.split(body.messages, body.tools)
-        if body.conversation_id:
-            cid, created = _conversation(runtime, body, request, caller)
-            prepared = None
-        else:
-            if body.create or body.replace:
-                raise InvalidRequest("create and replace need a conversation_id",
-                                     param="create" if body.create else "replace")
-            policy = stateless.policy or (ReasoningPolicy(body.policy) if body.policy else None)
-        options = {"max_tokens": max_tokens,
-                   "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "logprobs": body.logprobs,
-                   "top_logprobs": body.top_logprobs or 0}
-        if not body.conversation_id:
-            prepared = runtime.stateless.prepare(request, tenant=caller.tenant, protocol=stateless.protocol,
-                                                 session_key=stateless.session_key, policy=policy,
-                                                 cleared=stateless.cleared, rules=stateless.rules,
-                                                 options=[options, body.stream])
-            cid, created = prepared.conversation_id, False
+        inp = StepInput(
+            body.messages, body.tools,
+            body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+            body.temperature, body.top_p, body.seed, body.logprobs, body.top_logprobs or 0, body.stream,
+            body.conversation_id, body.create, body.replace, body.policy)
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
-
-        def run(on_token=None, step_cancel=cancel, on_prefill=None) -> Step:
-            t0 = time.perf_counter()
-            try:
-                if prepared is not None:
-                    step = runtime.stateless.run(prepared, on_token=on_token, on_prefill=on_prefill,
-                                                 cancel=step_cancel, **options)
-                else:
-                    step = runtime.chat_step(cid, request, replace=body.replace, on_token=on_token,
-                                             on_prefill=on_prefill, cancel=step_cancel, **options)
-            except Exception:  # counted where it is answered: the error handlers, or a late stream event
-                if created:  # forget what this request created, unless another request has stepped it since
-                    with contextlib.suppress(ConversationNotFound):
-                        runtime.delete_conversation(cid, if_version=0)
-                raise
-            record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
-            return step
-
-        if not body.stream:
-            answer = completion(run(), model, rid, runtime.tokenizer.decode)
-            if validate == "deepseek":  # DeepSeek's own names for the cache figures
-                cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
-                answer["usage"].update(prompt_cache_hit_tokens=cached,
-                                       prompt_cache_miss_tokens=answer["usage"]["prompt_tokens"] - cached)
-            return answer
         usage = bool((body.stream_options or {}).get("include_usage"))
-        fmt = lambda kind, value: _chunk(kind, value, model, rid, usage, runtime.tokenizer.decode)  # noqa: E731
-        tpl = runtime.template(runtime.get(cid).template)
-        first = f"data: {json.dumps(_chunk('role', 'assistant', model, rid, usage))}\n\n"
-        if render is not None:
-            first = ""
-        return StreamingResponse(sse_step(run, tpl, fmt, first, cancel, on_late_error=record_error, render=render),
-                                 media_type="text/event-stream", headers={CONVERSATION_HEADER: cid})
+        decode = runtime.tokenizer.decode
 
-    router.complete = complete  # the other inbound protocols answer through it (api/protocol_routes.py)
+        def render(events):
+            yield f"data: {json.dumps(_chunk('role', 'assistant', model, rid, usage))}\n\n"
+            yield from sse_lines(events, lambda kind, value: _chunk(kind, value, model, rid, usage, decode))
+
+        result = answers.answer(inp, caller, cancel, render)
+        if isinstance(result, StreamingResponse):
+            return result
+        answer = completion(result, model, rid, decode)
+        if validate == "deepseek":  # DeepSeek's own names for the cache figures
+            cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+            answer["usage"].update(prompt_cache_hit_tokens=cached,
+                                   prompt_cache_miss_tokens=answer["usage"]["prompt_tokens"] - cached)
+        return answer
+
+    router.answers = answers  # the other inbound protocols answer through it (api/protocol_routes.py)
     return router
 
 
@@ -277,30 +210,6 @@ def named(result):
     if isinstance(result, dict) and result.get("conversation_id"):
         return JSONResponse(result, headers={CONVERSATION_HEADER: result["conversation_id"]})
     return result
-
-
-def _conversation(runtime: Runtime, body: ChatRequest, request: continuation.ChatInput,
-                  caller: Caller) -> tuple[str, bool]:
-    """(conversation id, created by this request?). A new conversation holds the
-    client's system prompt, tools and earlier messages from the start. Raises
-    ConversationNotFound for an unknown `conversation_id` without `create` (or
-    another tenant's), ConversationBusy when `create` names another tenant's."""
-    options = dict(tools=request.tools, policy=body.policy, tenant=caller.tenant, history=request.history)
-    cid = body.conversation_id
-    try:
-        conv = runtime.get(cid)
-    except ConversationNotFound:
-        if not body.create:
-            raise UnknownConversation(cid) from None
-        try:
-            return runtime.create_conversation(request.system, conversation_id=cid, **options), True
-        except ConversationBusy:  # another request created it first: continue it as any other request
-            conv = runtime.get(cid)
-    if not caller.may_see(conv.tenant):
-        if body.create:
-            raise ConversationBusy(f"conversation_id {cid!r} is taken; choose another")
-        raise UnknownConversation(cid)
-    return cid, False
 
 
 def _chunk(kind: str, value: object, model: str, rid: str, usage: bool = False,

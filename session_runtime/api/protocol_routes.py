@@ -4,16 +4,15 @@ the local engine answers them.
 
 A request is parsed by its protocol adapter, checked as that provider checks
 it when the server runs `--validate` for it (refused with the provider's own
-status and body), converted to a chat history (roles, text, reasoning, tool
-calls and results: protocols/convert.py) and answered by the chat route's
-step; the answer is written back in the protocol's response shape, plain or
-streamed, by the route's own module.
+status and body), converted to the runtime's step request (`step_input`: its
+history in the runtime's message shape, protocols/convert.py) and answered as
+a step (api/step_input.py); the route writes the step back in its protocol's
+response shape, plain or streamed (the step's typed events), in its own module.
 
 Bad input is refused as the chat route refuses it, in the route's own error
 shape (api/errors.py: Anthropic's on /v1/messages, OpenAI's on /v1/responses),
-never passed on to fail later: the sampling figures by the chat route's own
-request model (ChatRequest: `max_tokens`/`max_output_tokens`, `temperature`,
-`top_p`), no messages, a model other than the served one (404; except where
+never passed on to fail later: the sampling figures (`max_tokens` /
+`max_output_tokens`, `temperature`, `top_p`, as the chat route bounds them), no messages, a model other than the served one (404; except where
 the server answers as that provider, `--validate` for the route's protocol,
 which takes the provider's model names as the chat route does), and what the
 chat route cannot honour, which the conversion to a chat history would drop:
@@ -28,30 +27,34 @@ import secrets
 from typing import Optional
 
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
 
 from session_runtime.api.errors import ModelNotFound
 from session_runtime.api.proxy_routes import answerable
+from session_runtime.api.step_input import FINISH, StepAnswers, StepInput, sampling_figures
 from session_runtime.errors import InvalidRequest
 from session_runtime.protocols import ProtocolInputError, get_protocol
 from session_runtime.protocols.base import dig
-from session_runtime.protocols.canonical import Msg, Reply, Usage
+from session_runtime.protocols.canonical import Call, Msg, Reasoning, Reply, Usage
 from session_runtime.protocols.convert import to_chat
+from session_runtime.step import Step
 
 ROUTES = {"/v1/messages": "anthropic", "/v1/responses": "openai-responses"}
 # The field that holds the history, and what a request without any is told.
 _HISTORY = {"anthropic": ("messages", "at least one message is required"),
             "openai-responses": ("input", "at least one input item is required")}
+# The sampling figures' names in each protocol's request.
+_NAMES = {"anthropic": {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"},
+          "openai-responses": {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}}
 
 
-def build_protocol_routes(chat_router, validate: Optional[str], runtime) -> APIRouter:
+def build_protocol_routes(answers: StepAnswers, validate: Optional[str], runtime) -> APIRouter:
     """The routes of ROUTES, each in its own module (api/messages_route.py,
-    api/responses_route.py), answering through `chat_router.complete`."""
+    api/responses_route.py), answering through `answers` (api/step_input.py)."""
     from session_runtime.api import messages_route, responses_route
 
     router = APIRouter()
-    router.include_router(messages_route.build(chat_router, validate, runtime))
-    router.include_router(responses_route.build(chat_router, validate, runtime))
+    router.include_router(messages_route.build(answers, validate, runtime))
+    router.include_router(responses_route.build(answers, validate, runtime))
     return router
 
 
@@ -72,13 +75,12 @@ async def read_body(request: Request) -> object:
         raise InvalidRequest(f"the body is not JSON: {exc}") from None
 
 
-def chat_request(adapter, protocol: str, raw: object, served: Optional[str]):
-    """The chat route's request for a body of `protocol`; with `served`, the
-    body's model must be that one. Raises InvalidRequest naming the field the
-    protocol could not read or the chat route would refuse (in the protocol's
-    own name), ModelNotFound for another model."""
-    from session_runtime.api.openai_compat import ChatRequest
-
+def step_input(adapter, protocol: str, raw: object, served: Optional[str]) -> StepInput:
+    """The runtime's step request for a body of `protocol` (its history in the
+    runtime's message shape, its sampling figures checked); with `served`,
+    the body's model must be that one. Raises InvalidRequest naming the field
+    the protocol could not read or the runtime would refuse (in the
+    protocol's own name), ModelNotFound for another model."""
     try:
         parsed = adapter.parse_request(raw)
     except ProtocolInputError as exc:
@@ -90,22 +92,10 @@ def chat_request(adapter, protocol: str, raw: object, served: Optional[str]):
     if served is not None:
         _check_model(raw.get("model"), served)
     _refuse_unsupported(protocol, raw)
+    # The runtime's message shape is chat's: every protocol's history converts to it (protocols/convert.py).
     chat = get_protocol("openai-chat").render_request(to_chat(parsed, protocol, "openai-chat"))
-    chat.pop("model", None)  # the provider's model name: this server answers with its own
-    chat["messages"] = answerable(chat.get("messages") or [])
-    if chat.get("max_tokens") is None:
-        chat.pop("max_tokens", None)
-    try:
-        return ChatRequest(**chat)
-    except ValidationError as exc:
-        # The chat route's own limits on the figures the conversion carried,
-        # told in the names the client sent them under.
-        names = {"messages": field}
-        if protocol == "openai-responses" and "max_output_tokens" in raw:
-            names["max_tokens"] = "max_output_tokens"
-        fields = [names.get(str(e["loc"][0]), str(e["loc"][0])) if e["loc"] else None for e in exc.errors()]
-        text = "; ".join(f"{name}: {e['msg']}" if name else e["msg"] for name, e in zip(fields, exc.errors()))
-        raise InvalidRequest(text, param=fields[0] if fields else None) from None
+    figures = sampling_figures(chat.get("max_tokens"), chat.get("temperature"), chat.get("top_p"), _NAMES[protocol])
+    return StepInput(answerable(chat.get("messages") or []), chat.get("tools"), **figures)
 
 
 def _check_model(model: object, served: str) -> None:
@@ -138,12 +128,10 @@ def _refuse_unsupported(protocol: str, raw: dict) -> None:
                              param="text.format")
 
 
-def reply_of(completion: dict) -> Reply:
-    """Our chat completion as a canonical reply (reasoning, text, tool calls, usage)."""
-    reply = get_protocol("openai-chat").parse_response({k: v for k, v in completion.items()
-                                                        if k not in ("accounting", "conversation_id")})
-    m = reply.message
-    message = Msg("assistant", m.content or "", m.reasoning, m.calls)  # fresh layout: the target's default
-    usage = reply.usage or Usage(0, 0)
-    return Reply(message, Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_input_tokens,
-                                usage.reasoning_tokens), reply.finish_reason, reply.id)
+def reply_of(step: Step) -> Reply:
+    """A step's answer as a canonical reply (reasoning, text, tool calls, usage; chat's finish vocabulary)."""
+    calls = tuple(Call(c["id"], c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in step.tool_calls)
+    message = Msg("assistant", step.content or "", (Reasoning(step.reasoning),) if step.reasoning else (), calls)
+    acc = step.accounting
+    usage = Usage(acc.prompt_tokens, acc.output_tokens, acc.cached_input_tokens, step.reasoning_tokens)
+    return Reply(message, usage, FINISH.get(step.finish_reason, "stop"), None)

@@ -1,14 +1,14 @@
-"""`/v1/responses`: OpenAI Responses, served by the local engine through the
-chat route (api/protocol_routes.py has what the protocol routes share).
+"""`/v1/responses`: OpenAI Responses, served by the local engine as steps
+(api/step_input.py; api/protocol_routes.py has what the protocol routes share).
 
 `POST /v1/responses` answers plain or streamed (`stream: true`: Responses'
 events, api/responses_stream.py), with ids on the response and every item
 (api/responses_output.py). A request is parsed and checked as the other
-protocol routes check theirs (`chat_request`), then:
+protocol routes check theirs (`step_input`), then:
 
 - `store: false`: a stateless client's request (Codex CLI's), answered as a
-  step of the conversation its history continues, as the chat route answers
-  a request without `conversation_id` (session inference, with
+  step of the conversation its history continues, as every stateless
+  request is (session inference, with
   `prompt_cache_key` as the session key; stateless.py); `reasoning.context`
   (`all_turns`: keep, `current_turn`: drop) sets the turn's policy. Call ids
   are the conversation's own, so the history sent back matches the stored one. Reasoning items come back with `encrypted_content` when
@@ -20,7 +20,7 @@ protocol routes check theirs (`chat_request`), then:
   each response id to its conversation and where in it the response ended.
 - `previous_response_id`: continues that response's conversation with only
   the new input (a user message, or function_call_output items answering its
-  calls), the chat route's "only new input" shape, so the step prefills only
+  calls), the runtime's "only new input" shape, so the step prefills only
   that. The conversation keeps its system prompt: `instructions` on a
   follow-up must be the same or left out (OpenAI does not carry instructions
   over; here the cache starts with them, so other instructions are 400).
@@ -41,6 +41,7 @@ session API) is no longer continued from its earlier responses (409).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Callable, Optional
@@ -50,8 +51,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from session_runtime.api.auth import current_caller
 from session_runtime.api.lean_route import LeanRoute
-from session_runtime.api.openai_compat import CONVERSATION_HEADER, Stateless, served_name
-from session_runtime.api.protocol_routes import chat_request, read_body
+from session_runtime.api.openai_compat import chat_usage, served_name, tool_calls
+from session_runtime.api.protocol_routes import read_body, step_input
 from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.responses_errors import (
     PreviousResponseNotFound, PreviousResponseNotLatest, ResponseInProgress, ResponseNotFound,
@@ -61,6 +62,7 @@ from session_runtime.api.responses_output import OutputIds, finished, output_ite
 from session_runtime.api.responses_store import ResponseStore, StoredResponse
 from session_runtime.api.responses_stream import ResponseEvents
 from session_runtime.api.settings import Caller
+from session_runtime.api.step_input import CONVERSATION_HEADER, FINISH, Stateless, StepAnswers
 from session_runtime.api.streaming import cancellable
 from session_runtime.errors import ConversationNotFound, InvalidRequest
 from session_runtime.policies import ReasoningPolicy
@@ -120,7 +122,7 @@ class _Releasing(StreamingResponse):
             self._release()
 
 
-def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
+def build(answers: StepAnswers, validate: Optional[str], runtime) -> APIRouter:
     router = APIRouter(route_class=LeanRoute)  # the step routes' requests read lean (api/lean_route.py)
     adapter = get_protocol(PROTOCOL)
     state = _Responses()
@@ -138,9 +140,9 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
             if refused is not None:
                 return refused
         raw = decrypt_reasoning(raw, request.app.state.secret)
-        # As the provider, any of its model names is taken (the chat route drops `model` then too).
-        chat = chat_request(adapter, PROTOCOL, raw, None)
-        assert isinstance(raw, dict)  # chat_request refuses any other body
+        # As the provider, any of its model names is taken.
+        inp = step_input(adapter, PROTOCOL, raw, None)
+        assert isinstance(raw, dict)  # step_input refuses any other body
         model_id = served_name(runtime, raw["model"]) if raw.get("model") is not None and not as_provider \
             else runtime.served_names[0]
         store, previous = _flag(raw, "store", True), raw.get("previous_response_id")
@@ -154,14 +156,15 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
         include = raw.get("include") if isinstance(raw.get("include"), list) else []
         encrypt = request.app.state.secret.encrypt if ENCRYPTED in include else None
         policy = _reasoning_policy(raw)
-        stateless = Stateless(PROTOCOL, _cache_key(raw), policy, rules=policy and {"reasoning": {
-            "rule": "reasoning.context", "policy": policy.name, "keep_last_k": policy.keep_last_k}})
+        inp = dataclasses.replace(inp, stream=stream, stateless=Stateless(
+            PROTOCOL, _cache_key(raw), policy, rules=policy and {"reasoning": {
+                "rule": "reasoning.context", "policy": policy.name, "keep_last_k": policy.keep_last_k}}))
 
         def answer(cancel):
             responses = state.store(runtime)
             ids = OutputIds(own_calls=previous is None and not store)
-            base = shell(raw, ids, model_id, chat.temperature, chat.top_p, store)
-            body, cid, release = chat, None, lambda: None
+            base = shell(raw, ids, model_id, inp.temperature, inp.top_p, store)
+            body, cid, release = inp, None, lambda: None
             if previous is not None:
                 rec = responses.get(previous)
                 if rec is None or not caller.may_see(rec.tenant):
@@ -173,11 +176,10 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
                 release = state.claim(cid)
             try:
                 if previous is not None:
-                    body = chat.model_copy(update={"conversation_id": cid,
-                                                   "messages": _continuing(runtime, responses, rec,
-                                                                               chat.messages)})
+                    body = dataclasses.replace(inp, conversation_id=cid,
+                                               messages=_continuing(runtime, responses, rec, inp.messages))
                 elif store:
-                    body = chat.model_copy(update={"conversation_id": cid, "create": True})
+                    body = dataclasses.replace(inp, conversation_id=cid, create=True)
 
                 def record(response: dict) -> None:
                     if cid is not None:
@@ -185,11 +187,8 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
                         responses.put(StoredResponse(ids.response, cid, conv.tenant, len(conv.trace),
                                                      ids.call_ids(), response))
 
-                render = None
-                if stream:
-                    body = body.model_copy(update={"stream": True})
-                    render = ResponseEvents(base, ids, encrypt, on_done=record).render
-                result = chat_router.complete(body, caller, cancel, stateless, render)
+                render = ResponseEvents(base, ids, encrypt, on_done=record).render if stream else None
+                result = answers.answer(body, caller, cancel, render)
             except BaseException:
                 release()
                 raise
@@ -198,15 +197,12 @@ def build(chat_router, validate: Optional[str], runtime) -> APIRouter:
                 return _Releasing(result.body_iterator, release, media_type="text/event-stream",
                                   headers={CONVERSATION_HEADER: result.headers.get(CONVERSATION_HEADER, "")})
             try:
-                if not isinstance(result, dict):
-                    return result  # a refusal already in its final shape
-                choice = result["choices"][0]
-                message = choice["message"]
-                output = output_items(ids, message.get("reasoning_content") or "", message.get("content") or "",
-                                      message.get("tool_calls") or [], choice["finish_reason"] == "length", encrypt)
-                response = finished(base, output, choice["finish_reason"], result.get("usage"))
+                finish = FINISH.get(result.finish_reason, "stop")
+                output = output_items(ids, result.reasoning or "", result.content or "", tool_calls(result),
+                                      finish == "length", encrypt)
+                response = finished(base, output, finish, chat_usage(result))
                 record(response)
-                return JSONResponse(response, headers={CONVERSATION_HEADER: result.get("conversation_id") or ""})
+                return JSONResponse(response, headers={CONVERSATION_HEADER: result.conversation_id})
             finally:
                 release()
 

@@ -82,7 +82,7 @@ def sse_step(run: Callable[..., Step], tpl: Template,
     if head[0] == "error":
         raise head[1]  # nothing was sent yet: the error handlers answer with its status
     typed = step_events(events, tpl, head, on_late_error)
-    return _until_disconnect(render(typed) if render is not None else _lines(typed, fmt), cancel, first)
+    return _until_disconnect(render(typed) if render is not None else sse_lines(typed, fmt), cancel, first)
 
 
 async def _until_disconnect(lines: Iterator[str], cancel: Cancellation, first: str) -> AsyncIterator[str]:
@@ -144,7 +144,7 @@ def step_events(events: queue.Queue, tpl: Template, head: tuple,
         return
 
 
-def _lines(events: Iterator[Event], fmt: Format) -> Iterator[str]:
+def sse_lines(events: Iterator[Event], fmt: Format) -> Iterator[str]:
     """The chat route's and the session API's SSE lines: each event but the prefill, then [DONE]."""
     for kind, value in events:
         if kind != "prefill":
