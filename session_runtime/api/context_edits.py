@@ -27,13 +27,14 @@ class Applied:
     cleared: Cleared  # the tool uses the prompt shows cleared (none without clear_tool_uses)
     report: Optional[dict]  # the answer's `context_management` (None: the request had no edits)
     rules: Optional[dict]  # the step's accounting `rules` (None: no edit decided anything)
+    input_tokens: Optional[int] = None  # the prompt after the edits, where counting it was needed here
 
 
 def apply_edits(runtime, messages: list[dict], tools, tenant, edits: ContextEdits) -> Applied:
     """The edits' effect on the chat request (`messages`, `tools`) of
     `tenant`. Raises what counting its prompt raises (api/token_count.py)."""
     turns, thinking_tokens = cleared_thinking(runtime, messages, edits)
-    cleared, tool_tokens = NOTHING, 0
+    cleared, tool_tokens, after = NOTHING, 0, None
     if edits.tools is not None:
         new = frozenset(str(m.get("tool_call_id")) for m in _trailing_results(messages))
         before = prompt_tokens(runtime, messages, tools, tenant, edits.policy) \
@@ -42,7 +43,10 @@ def apply_edits(runtime, messages: list[dict], tools, tenant, edits: ContextEdit
         if cleared:
             if before is None:
                 before = prompt_tokens(runtime, messages, tools, tenant, edits.policy)
-            tool_tokens = before - prompt_tokens(runtime, messages, tools, tenant, edits.policy, cleared)
+            after = prompt_tokens(runtime, messages, tools, tenant, edits.policy, cleared)
+            tool_tokens = before - after
+        else:
+            after = before
     rules = {}
     if edits.thinking is not None:
         p = edits.policy
@@ -51,7 +55,7 @@ def apply_edits(runtime, messages: list[dict], tools, tenant, edits: ContextEdit
         rules["tool_uses"] = {"rule": CLEAR_TOOL_USES, "cleared": len(cleared.results),
                               "cleared_inputs": len(cleared.inputs)}
     return Applied(edits.policy, cleared, applied_edits(edits, turns, thinking_tokens, cleared, tool_tokens),
-                   rules or None)
+                   rules or None, after)
 
 
 def cleared_thinking(runtime, messages: list[dict], edits: ContextEdits) -> tuple[int, int]:

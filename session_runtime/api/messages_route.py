@@ -115,8 +115,10 @@ def build(answers: StepAnswers, validate: Optional[str], runtime) -> APIRouter:
         inp = parsed(raw, request.app.state.secret)
         edits = context_edits(raw)
         applied = await anyio.to_thread.run_sync(apply_edits, runtime, inp.messages, inp.tools, caller.tenant, edits)
-        count = await anyio.to_thread.run_sync(prompt_tokens, runtime, inp.messages, inp.tools, caller.tenant,
-                                               applied.policy, applied.cleared)
+        count = applied.input_tokens  # counted already where the edits needed it
+        if count is None:
+            count = await anyio.to_thread.run_sync(prompt_tokens, runtime, inp.messages, inp.tools, caller.tenant,
+                                                   applied.policy, applied.cleared)
         if applied.report is None:
             return {"input_tokens": count}
         original = await anyio.to_thread.run_sync(original_tokens, runtime, inp.messages, inp.tools, caller.tenant)
