@@ -2,10 +2,11 @@
 it, with the control tokens it writes told apart from client text.
 
 `OfficialRenderer.render(messages, tools, generation_prompt)` returns the text
-and the positions of the control tokens the template itself wrote: the same
-conversation is rendered a second time with every control-token spelling in
-client text replaced by same-length filler, and a control token counts only
-where both renderings have it. Tokenizing the text split at those positions
+and the positions of the control tokens the template itself wrote: where client
+text spells a control token, the same conversation is rendered a second time
+with every such spelling replaced by same-length filler, and a control token
+counts only where both renderings have it (where none does, every control token
+in the text is the template's own). Tokenizing the text split at those positions
 (client stretches with the plain tokenizer) gives the official token ids,
 except that text can never forge a control token.
 """
@@ -93,6 +94,18 @@ def _defuse(value: Any, pattern: re.Pattern) -> Any:
     return value
 
 
+def _spells_control(pattern: re.Pattern, value: Any) -> bool:
+    """Does any string in `value` (keys and values, nested) spell a control token,
+    so that `_defuse` would change it?"""
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, dict):
+        return any(_spells_control(pattern, k) or _spells_control(pattern, v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_spells_control(pattern, v) for v in value)
+    return False
+
+
 class OfficialRenderer:
     """Renders OpenAI-style message dicts with the folder's template. Memoized:
     every step renders the same prefixes again."""
@@ -141,6 +154,8 @@ class OfficialRenderer:
         if self._pattern is None:
             return RenderedText(text, ())
         found = [(m.start(), m.end()) for m in self._pattern.finditer(text)]
+        if not _spells_control(self._pattern, [messages, tools]):  # defusing would change nothing
+            return RenderedText(text, tuple(found))
         defused = self._jinja(_defuse(messages, self._pattern), _defuse(tools, self._pattern), generation_prompt)
         if len(defused) != len(text):
             raise InvalidRequest("text that spells the model's control tokens changes how its chat template "
