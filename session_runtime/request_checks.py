@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from session_runtime.constrained.spec import NONE as NO_CONSTRAINT, OutputConstraint
 from session_runtime.errors import ContextTooLong, InvalidRequest, TenantStorageFull
 from session_runtime.sampling import SamplingParams
 from session_runtime.tools import check_tools
@@ -83,14 +84,14 @@ class RequestChecks:
                                  f"{limit}; it was not tokenized whole")
 
     def _sampling(self, conv, max_tokens, temperature, seed, logprobs, top_p: float = 1.0,
-                  top_logprobs: int = 0) -> SamplingParams:
+                  top_logprobs: int = 0, constraint: OutputConstraint = NO_CONSTRAINT) -> SamplingParams:
         if top_logprobs and not self.backend.supports_top_logprobs:
             raise InvalidRequest(f"top_logprobs is not supported on the {self.backend.name} backend yet",
                                  param="top_logprobs")
         return SamplingParams(
             max_tokens=self.max_tokens(max_tokens), temperature=temperature, seed=seed, top_p=top_p,
             top_logprobs=top_logprobs,
-            stop_token_ids=self.template(conv.template).stop_token_ids, logprobs=logprobs,
+            stop_token_ids=self.template(conv.template).stop_token_ids, logprobs=logprobs, stop=constraint.stop,
         )
 
 

@@ -29,6 +29,7 @@ from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.step import Step
 from session_runtime.tool_clearing import Cleared
 from session_runtime.registry import Conversations
+from session_runtime.constrained.spec import NONE as NO_CONSTRAINT, OutputConstraint
 from session_runtime.templates import Message, Template, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
 from session_runtime import continuation, importer, tool_clearing
@@ -399,6 +400,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         cancel: Optional[Cancellation] = None,
         top_p: float = 1.0,
         top_logprobs: int = 0,
+        constraint: OutputConstraint = NO_CONSTRAINT,
     ) -> Step:
         """Open a turn with a user message and run its first step (at most
         `max_tokens`: None is 64, or the server's limit if lower).
@@ -413,16 +415,17 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
             return self._message_step(conv, content, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                       logprobs=logprobs, forced=forced, on_token=on_token, on_prefill=on_prefill,
                                       cancel=cancel,
-                                      top_p=top_p, top_logprobs=top_logprobs)
+                                      top_p=top_p, top_logprobs=top_logprobs, constraint=constraint)
 
     def _message_step(self, conv: Conversation, content: str, *, max_tokens=None, temperature=0.0, seed=None,
                       logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0, top_logprobs=0,
-                      on_prefill=None) -> Step:
+                      on_prefill=None, constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         """send_message's step, the conversation's lock held."""
         new = self._user_message(conv, content)
         return self._step(conv, new, new[0].turn,
-                          self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs),
-                          forced, on_token, cancel, on_prefill)
+                          self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs,
+                                         constraint),
+                          forced, on_token, cancel, on_prefill, constraint)
 
     def _user_message(self, conv: Conversation, content: str) -> list[Message]:
         """The user message that opens the conversation's next turn. Raises
@@ -448,6 +451,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         cancel: Optional[Cancellation] = None,
         top_p: float = 1.0,
         top_logprobs: int = 0,
+        constraint: OutputConstraint = NO_CONSTRAINT,
     ) -> Step:
         """Answer every pending tool call of the open turn and run its next step.
 
@@ -458,16 +462,16 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
             return self._results_step(conv, results, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                       logprobs=logprobs, forced=forced, on_token=on_token, on_prefill=on_prefill,
                                       cancel=cancel,
-                                      top_p=top_p, top_logprobs=top_logprobs)
+                                      top_p=top_p, top_logprobs=top_logprobs, constraint=constraint)
 
     def _results_step(self, conv: Conversation, results: Sequence[dict], *, max_tokens=None, temperature=0.0,
                       seed=None, logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0,
-                      top_logprobs=0, on_prefill=None) -> Step:
+                      top_logprobs=0, on_prefill=None, constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         """send_tool_results' step, the conversation's lock held."""
         msgs = self._result_messages(conv, results)
         return self._step(conv, msgs, msgs[0].turn, self._sampling(conv, max_tokens, temperature, seed, logprobs,
-                                                                    top_p, top_logprobs),
-                          forced, on_token, cancel, on_prefill)
+                                                                    top_p, top_logprobs, constraint),
+                          forced, on_token, cancel, on_prefill, constraint)
 
     def _result_messages(self, conv: Conversation, results: Sequence[dict]) -> list[Message]:
         """The tool messages answering every pending call, in the calls' order.

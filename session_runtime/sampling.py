@@ -19,6 +19,8 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, and theirs
+    stop: tuple[str, ...] = ()  # stop sequences: the output ends where one appears (constrained/)
+    grammar: Optional[str] = None  # an xgrammar structural tag the output follows (constrained/grammar.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

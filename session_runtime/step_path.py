@@ -14,6 +14,8 @@ from itertools import compress
 from typing import Callable, Optional
 
 from radix_ext.tree import ProbeResult
+from session_runtime.constrained import grammar
+from session_runtime.constrained.spec import NONE as NO_CONSTRAINT, OutputConstraint, cut_at_stop
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.backends.base import Cancellation, ChainState, StepRequest, StepResult, Transcript
 from session_runtime.errors import BackendUnavailable, InvalidRequest, ShuttingDown, StorageUnavailable
@@ -59,7 +61,8 @@ class StepPath:
 
     def _step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
               forced: Optional[dict], on_token: Optional[Callable[[int], None]] = None,
-              cancel: Optional[Cancellation] = None, on_prefill: Optional[Callable[[int, int], None]] = None) -> Step:
+              cancel: Optional[Cancellation] = None, on_prefill: Optional[Callable[[int, int], None]] = None,
+              constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         """One step; `cancel` (or the request deadline) stops it between tokens,
         and then it changes nothing."""
         self._check_budget(conv.tenant)
@@ -71,14 +74,15 @@ class StepPath:
                 raise ShuttingDown("the server is shutting down")
             self._inflight.add(cancel)
         try:
-            return self._run_step(conv, new, turn, sampling, forced, on_token, cancel, on_prefill)
+            return self._run_step(conv, new, turn, sampling, forced, on_token, cancel, on_prefill, constraint)
         finally:
             with self._lock:
                 self._inflight.discard(cancel)
 
     def _run_step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
                   forced: Optional[dict], on_token: Optional[Callable[[int], None]], cancel: Cancellation,
-                  on_prefill: Optional[Callable[[int, int], None]] = None) -> Step:
+                  on_prefill: Optional[Callable[[int, int], None]] = None,
+                  constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         tpl = self.template(conv.template)
         forced_ids = self._forced_ids(tpl, forced)
         ns = self.namespace(conv)
@@ -99,6 +103,8 @@ class StepPath:
             remaining = max(self.context_limit - len(rendered.ids), 0)
             if sampling.max_tokens > remaining and forced is None:
                 sampling = dataclasses.replace(sampling, max_tokens=remaining)
+            if constraint.shapes_output and forced is None:
+                sampling = dataclasses.replace(sampling, grammar=self._grammar(conv, tpl, rendered, sampling, constraint))
             history_len = tpl.rendered_length(conv.system, conv.tools, conv.history, keep, False) if conv.history else 0
             # No KV here in upstream mode: nothing local to weigh keep against drop by.
             probe_prompts = self._counterfactual_prompts(conv, tpl, new) \
@@ -163,6 +169,15 @@ class StepPath:
 
     _RULES = ("keep", "drop")
 
+    def _grammar(self, conv, tpl: Template, rendered, sampling: SamplingParams, constraint: OutputConstraint) -> str:
+        """The step's structural tag: the output starts inside the reasoning
+        block unless the prompt closed it (DeepSeek's skip marker); the
+        reasoning may take half the output budget (Anthropic's budget_tokens
+        where the request set one), the constrained answer the rest."""
+        thinking = not rendered.spans or rendered.spans[-1].kind != "think_skip"
+        budget = constraint.think_budget if constraint.think_budget is not None else sampling.max_tokens // 2
+        return grammar.structural_tag(tpl, conv.tools, constraint, thinking, budget)
+
     def _counterfactual_prompts(self, conv: Conversation, tpl: Template, new: list[Message]) -> list[list[int]]:
         """This turn's prompt as keep and as drop would render it."""
         generated = conv.trace_messages() + new
@@ -194,6 +209,8 @@ class StepPath:
         """Record a successful step in every layer, then close the turn if it ended."""
         step_index = 0 if new[0].role == "user" else len(conv.turns[-1].steps)
         parsed = tpl.parse_output(result.output, f"{conv.call_prefix}_{turn}_{step_index}")
+        if result.stop_sequence is not None:  # the text ends before it; the ids stay as generated
+            parsed = cut_at_stop(parsed, result.stop_sequence)
         if result.wire is not None:  # upstream mode: the provider's message and call ids, verbatim
             parsed = dataclasses.replace(parsed, reasoning=result.wire.reasoning, content=result.wire.content,
                                          tool_calls=tuple(result.wire.calls))
@@ -240,7 +257,7 @@ class StepPath:
             conversation_id=conv.id, turn=turn, step=step_index, reasoning=reasoning,
             content=parsed.content, tool_calls=[c.as_dict() for c in parsed.tool_calls],
             finish_reason=finish, output_ids=result.output, logprobs=result.logprobs, accounting=acc,
-            top_logprobs=result.top_logprobs,
+            top_logprobs=result.top_logprobs, stop_sequence=result.stop_sequence,
             reasoning_tokens=len(result.output) - len(parsed.answer_ids) - int(parsed.ended),
         )
 

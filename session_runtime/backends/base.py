@@ -193,6 +193,7 @@ class StepResult:
     wire: Optional[WireReply] = None  # upstream proxy mode
     probes: Optional[list[ProbeResult]] = None  # of StepRequest.probe_prompts, before the step (probes_in_step)
     chain: Optional[ChainState] = None  # the owner's chain after the step, when the backend reports it
+    stop_sequence: Optional[str] = None  # the stop sequence the output ended on (finish_reason "stop")
 
 
 class Backend(ABC):

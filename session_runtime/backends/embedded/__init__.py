@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from session_runtime.backends.embedded.engine import Engine
+from session_runtime.constrained.matcher import Guards
 from session_runtime.errors import InvalidRequest
 
 
@@ -20,6 +21,6 @@ def build(config, tokenizer) -> Engine:
         decoder = token_only_for(config, min_vocab=tokenizer.vocab_size)
     if tokenizer.vocab_size > decoder.cfg.vocab_size:
         raise InvalidRequest(f"tokenizer has {tokenizer.vocab_size} ids, the model only {decoder.cfg.vocab_size}")
-    engine = Engine(config, decoder)
+    engine = Engine(config, decoder, Guards(tokenizer))
     engine.warmup()
     return engine

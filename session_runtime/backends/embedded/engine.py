@@ -23,6 +23,7 @@ from radix_ext.tree import Namespace, NodeInfo, ProbeResult, SessionRadixCache
 from session_runtime.accounting import StepAccounting, attention_work
 from session_runtime.backends.base import Backend, Cancellation, StepRequest, StepResult, StepTiming
 from session_runtime.config import RuntimeConfig
+from session_runtime.constrained.matcher import Guard, Guards
 from session_runtime.backends.embedded.fairlock import FairRLock
 from session_runtime.backends.embedded.engine_host import HostTierOps
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
@@ -74,9 +75,10 @@ class Engine(HostTierOps, Backend):
 
         return OffloadManager(self, background=background, idle_ttl_s=idle_ttl_s)
 
-    def __init__(self, config: RuntimeConfig, decoder: Decoder):
+    def __init__(self, config: RuntimeConfig, decoder: Decoder, guards: Optional[Guards] = None):
         self.config = config
         self.decoder = decoder
+        self.guards = guards  # constrained output (grammars, stop sequences); None: the engine refuses them
         cfg = decoder.cfg
         self.pools: KVPools = build_pools(
             PoolSpec(
@@ -178,14 +180,20 @@ class Engine(HostTierOps, Backend):
             req.forced and (max(req.forced) >= vocab or min(req.forced) < 0)
         ):
             raise InvalidRequest(f"token id out of the model's vocabulary (0..{vocab - 1})")
+        guard = None  # the step's grammar and stop sequences, compiled before it waits for the engine
+        if req.forced is None and (req.sampling.grammar is not None or req.sampling.stop):
+            if self.guards is None:
+                raise InvalidRequest("this engine was built without constrained output (grammars, stop sequences)")
+            guard = self.guards.for_step(req.sampling, vocab)
         with self.rows, self.lock:
             self.stepping.add(req.owner)
             try:
-                return self._step_locked(req, reloaded)
+                return self._step_locked(req, reloaded, guard)
             finally:
                 self.stepping.discard(req.owner)
 
-    def _step_locked(self, req: StepRequest, reloaded: Optional[tuple[int, int]] = None) -> StepResult:
+    def _step_locked(self, req: StepRequest, reloaded: Optional[tuple[int, int]] = None,
+                     guard: Optional[Guard] = None) -> StepResult:
         t0 = time.perf_counter()
         prompt = list(req.prompt)
         n = len(prompt)
@@ -203,7 +211,7 @@ class Engine(HostTierOps, Backend):
         row = None
         try:
             row = self._alloc_row()
-            result = self._run(req, prompt, m, buf, row, max(probe.logical_len, m), t0, reloaded)
+            result = self._run(req, prompt, m, buf, row, max(probe.logical_len, m), t0, reloaded, guard)
         except BaseException:
             if not buf.committed:
                 buf.release(req.owner)
@@ -262,7 +270,8 @@ class Engine(HostTierOps, Backend):
             all_logits=all_logits,
         )
 
-    def _run(self, req, prompt, m, buf, row, logical, t0, reloaded: tuple[int, int]) -> StepResult:
+    def _run(self, req, prompt, m, buf, row, logical, t0, reloaded: tuple[int, int],
+             guard: Optional[Guard] = None) -> StepResult:
         n = len(prompt)
         sp = req.sampling
         r2t = self.pools.req_to_token
@@ -284,6 +293,7 @@ class Engine(HostTierOps, Backend):
             kept_logits.append(logits)
 
         output: list[int] = []
+        stop_sequence = None
         logprobs: list[float] = []
         tops: list[list[tuple[int, float]]] = []  # sp.top_logprobs alternatives per output token
         if req.forced is not None:
@@ -315,7 +325,11 @@ class Engine(HostTierOps, Backend):
             t = time.perf_counter()
             finish = "length"
             while len(output) < limit:
+                if guard is not None:
+                    last = guard.mask(last)
                 tok = sampler.sample(last)
+                if guard is not None:
+                    guard.accept(tok)
                 if sp.logprobs:
                     logprobs.append(token_logprob(last, tok))
                 if sp.top_logprobs:
@@ -326,6 +340,10 @@ class Engine(HostTierOps, Backend):
                 if first_token_t is None:
                     first_token_t = time.perf_counter()
                 if tok in sp.stop_token_ids:
+                    finish = "stop"
+                    break
+                stop_sequence = guard.stop_matched(output) if guard is not None else None
+                if stop_sequence is not None:
                     finish = "stop"
                     break
                 if len(output) == limit:
@@ -370,6 +388,7 @@ class Engine(HostTierOps, Backend):
         return StepResult(
             output=output,
             finish_reason=finish,
+            stop_sequence=stop_sequence,
             sequence=computed,
             logprobs=logprobs if sp.logprobs else None,
             accounting=accounting,

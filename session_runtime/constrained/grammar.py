@@ -1,0 +1,171 @@
+"""A step's grammar: an xgrammar structural tag (the format SGLang's
+`structural_tag` sampling parameter takes too) in the chat template's own
+writing.
+
+The template says how it writes an answer and a call: the text it writes for
+an output with a sentinel answer, or a call with a sentinel argument
+(`forced_ids`), is cut around the sentinel, so the grammar's fixed text is the
+template's, its control tokens (`<tool_call>`) are those tokens and never their
+spelling in pieces, and the parts the model chooses are a JSON schema in the
+template's argument style (JSON, or DeepSeek's DSML parameters). The reasoning
+block comes first and is free, up to a budget, and closes with the reasoning
+end token; the grammar then admits only the template's stop tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from session_runtime.constrained import dsml
+from session_runtime.constrained.spec import OutputConstraint
+from session_runtime.errors import InvalidRequest
+from session_runtime.templates.base import Template, ToolCall, tool_schema
+
+_SENTINEL = "\ue004"
+_DSML_PARAMETER = (f"<{dsml.DSML}parameter", f"</{dsml.DSML}parameter>")
+# Whitespace a JSON value may hold in a row: room to indent pretty-printed JSON,
+# never a run that eats the output budget (random weights would write one).
+MAX_WHITESPACE = 16
+
+
+@dataclass(frozen=True)
+class _Piece:
+    text: str
+    token: Optional[int] = None  # an added token (control token or markup), written as that token
+
+
+def structural_tag(tpl: Template, tools: Sequence[dict], constraint: OutputConstraint, thinking: bool,
+                   think_budget: Optional[int]) -> Optional[str]:
+    """The structural tag (JSON text) for a step whose output starts inside
+    the reasoning block (`thinking`: at most `think_budget` tokens of it), or
+    None when `constraint` shapes nothing. Raises InvalidRequest naming the
+    field the template cannot honour."""
+    if not constraint.shapes_output:
+        return None
+    end_think = _end_think(tpl)
+    elements: list[dict] = []
+    if thinking and end_think is not None:
+        free = {"type": "any_tokens", "exclude_tokens": sorted({end_think, *tpl.stop_token_ids})}
+        if think_budget is not None:
+            free["max_tokens"] = max(think_budget, 0)
+        elements += [free, {"type": "token", "token": end_think}]
+    if constraint.tools:
+        by_name = {tool_schema(t).get("name"): tool_schema(t) for t in tools}
+        calls = [_sequence(_call_format(tpl, by_name[name], constraint.tools_field)) for name in constraint.tools]
+        elements.append(calls[0] if len(calls) == 1 else {"type": "or", "elements": calls})
+    else:
+        before, _ = _around(_answer_pieces(tpl), _SENTINEL, _SENTINEL)
+        elements += [*_formats(before), _json(json.loads(constraint.answer_schema))]
+    tag = json.dumps({"type": "structural_tag", "format": _sequence(elements)}, ensure_ascii=False)
+    _check(tag, "tools" if constraint.tools else constraint.schema_field)
+    return tag
+
+
+def _check(tag: str, field: str) -> None:
+    """Raise InvalidRequest naming `field` when xgrammar cannot build the
+    grammar (a schema it does not support), before any backend sees it."""
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_structural_tag(tag)
+    except Exception as exc:  # xgrammar raises RuntimeError, ValueError or its own errors
+        raise InvalidRequest(f"{field}: the schema cannot be turned into a grammar: {exc}", param=field) from None
+
+
+def _json(schema: object) -> dict:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+
+
+def _sequence(elements: list[dict]) -> dict:
+    return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
+
+
+def _end_think(tpl: Template) -> Optional[int]:
+    return tpl.tok.inner.token_to_id("</think>")
+
+
+def call_style(tpl: Template, field: str) -> str:
+    """How the template writes a call's arguments: json (Hermes markup:
+    Qwen3, and `hf` templates that write it) or dsml (DeepSeek V3.2)."""
+    family = tpl.name if tpl.name != "hf" else getattr(getattr(tpl, "parser", None), "family", "")
+    style = {"qwen3": "json", "hermes": "json", "deepseek": "dsml"}.get(family)
+    if style is None:
+        raise InvalidRequest(f"{field}: this model's chat template writes tool calls in a syntax this server "
+                             "cannot constrain yet (it can for Qwen3/Hermes and DeepSeek markup)", param=field)
+    return style
+
+
+def _call_format(tpl: Template, tool: dict, field: str) -> list[dict]:
+    """One call of `tool` as the template writes it after the reasoning block,
+    its arguments following the tool's parameters schema."""
+    style = call_style(tpl, field)
+    name = tool.get("name", "")
+    ids = tpl.forced_ids("r", "", [ToolCall("call_0", name, {_SENTINEL: 0})])
+    opening, closing = ("{", "}") if style == "json" else _DSML_PARAMETER
+    before, after = _around(_pieces(tpl, _answer_ids(tpl, ids)), opening, closing)
+    schema = tool.get("parameters") or {"type": "object"}
+    middle = [_json(schema)] if style == "json" else dsml.arguments(schema, _json)
+    return [*_formats(before), *middle, *_formats(after)]
+
+
+def _answer_pieces(tpl: Template) -> list[_Piece]:
+    return _pieces(tpl, _answer_ids(tpl, tpl.forced_ids("r", _SENTINEL, [])))
+
+
+def _answer_ids(tpl: Template, ids: list[int]) -> list[int]:
+    """The ids after the reasoning block, without the stop token that ends them."""
+    end_think = _end_think(tpl)
+    if end_think is not None and end_think in ids:
+        ids = ids[ids.index(end_think) + 1:]
+    while ids and ids[-1] in tpl.stop_token_ids:
+        ids = ids[:-1]
+    return ids
+
+
+def _pieces(tpl: Template, ids: list[int]) -> list[_Piece]:
+    """`ids` as text runs and added tokens."""
+    out: list[_Piece] = []
+    run: list[int] = []
+    added = tpl.tok.added_ids
+    for i in [*ids, None]:
+        if i is None or i in added:
+            if run:
+                out.append(_Piece(tpl.tok.decode(run)))
+                run = []
+            if i is not None:
+                out.append(_Piece(tpl.tok.decode([i]), i))
+        else:
+            run.append(i)
+    return out
+
+
+def _around(pieces: list[_Piece], opening: str, closing: str) -> tuple[list[_Piece], list[_Piece]]:
+    """The pieces before and after the sentinel's region: from the last
+    `opening` before the sentinel to the end of the first `closing` after it
+    (the region may span added tokens: DSML's `｜DSML｜`)."""
+    text = "".join(p.text for p in pieces)
+    at = text.find(_SENTINEL)
+    start = text.rfind(opening, 0, at + len(opening) if opening == _SENTINEL else at) if at >= 0 else -1
+    stop = text.find(closing, at) if at >= 0 else -1
+    if start < 0 or stop < 0:
+        raise InvalidRequest("the chat template writes this output in a way the server cannot constrain")
+    return _slice(pieces, 0, start), _slice(pieces, stop + len(closing), len(text))
+
+
+def _slice(pieces: list[_Piece], a: int, b: int) -> list[_Piece]:
+    """The pieces covering text[a:b]; a token cut by either end becomes its remaining text."""
+    out, pos = [], 0
+    for p in pieces:
+        lo, hi = max(a, pos), min(b, pos + len(p.text))
+        if lo < hi:
+            whole = lo == pos and hi == pos + len(p.text)
+            out.append(p if whole else _Piece(p.text[lo - pos: hi - pos]))
+        pos += len(p.text)
+    return out
+
+
+def _formats(pieces: list[_Piece]) -> list[dict]:
+    return [{"type": "token", "token": p.token} if p.token is not None else {"type": "const_string", "value": p.text}
+            for p in pieces if p.token is not None or p.text]

@@ -1,0 +1,94 @@
+"""The embedded engine's side of constrained output: a token mask per step from
+the step's structural tag (xgrammar), and the watch for stop sequences.
+
+`Guards(tokenizer)` is built once per engine; `for_step(sampling, vocab)` gives
+a step its `Guard`, whose `mask(logits)` leaves only the tokens the grammar
+admits, `accept(token)` moves the grammar on, and `stop_matched(output)` names
+the stop sequence the output now ends on. The grammar's state lives in the
+Guard, which lives for one step: nothing of it reaches the next.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+
+from session_runtime.errors import InvalidRequest
+from session_runtime.sampling import SamplingParams
+
+
+class Guards:
+    """xgrammar compilers for one tokenizer, per vocabulary width and stop
+    tokens, built on first use (about a second: the vocabulary is indexed);
+    compiled grammars are cached by the compiler."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._compilers: dict[tuple[int, frozenset[int]], object] = {}
+
+    def compiler(self, vocab: int, stops: frozenset[int]):
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        with self._lock:
+            key = (vocab, stops)
+            if key not in self._compilers:
+                hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.inner)
+                info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=sorted(stops))
+                self._compilers[key] = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compilers[key]
+
+    def compile(self, grammar: str, vocab: int, stops: frozenset[int], field: str = "response_format"):
+        """The compiled structural tag. Raises InvalidRequest naming `field`
+        for a grammar xgrammar cannot compile (a schema it does not support)."""
+        try:
+            return self.compiler(vocab, stops).compile_structural_tag(grammar)
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidRequest(f"{field}: the schema cannot be compiled into a grammar: {exc}", param=field) from None
+
+    def for_step(self, sampling: SamplingParams, vocab: int) -> Optional["Guard"]:
+        if sampling.grammar is None and not sampling.stop:
+            return None
+        compiled = self.compile(sampling.grammar, vocab, sampling.stop_token_ids) if sampling.grammar else None
+        return Guard(compiled, vocab, sampling.stop, self.tokenizer)
+
+
+class Guard:
+    def __init__(self, compiled, vocab: int, stops: Sequence[str], tokenizer):
+        self.matcher = self.bitmask = None
+        if compiled is not None:
+            import xgrammar as xgr
+
+            self.matcher = xgr.GrammarMatcher(compiled)
+            self.bitmask = xgr.allocate_token_bitmask(1, vocab)
+        self.vocab = vocab
+        self.stops = tuple(stops)
+        self.tokenizer = tokenizer
+        # A stop sequence of n characters lies within the last 4n + 2 tokens (a
+        # character is at most four byte tokens; one more may end mid-character).
+        self.window = 4 * max((len(s) for s in self.stops), default=0) + 2
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` ([vocab]) with every token the grammar does not admit next at -inf (a copy)."""
+        if self.matcher is None:
+            return logits
+        import xgrammar as xgr
+
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        masked = logits.detach().float().cpu().clone().unsqueeze(0)
+        xgr.apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=self.vocab)
+        return masked[0].to(logits.device)
+
+    def accept(self, token: int) -> None:
+        if self.matcher is not None and not self.matcher.accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token} that its own mask admitted")
+
+    def stop_matched(self, output: Sequence[int]) -> Optional[str]:
+        """The stop sequence the output's newest text completes, if any."""
+        if not self.stops:
+            return None
+        tail = self.tokenizer.decode(list(output[-self.window:]))
+        return next((s for s in self.stops if s in tail), None)
