@@ -9,7 +9,8 @@ template's, its control tokens (`<tool_call>`) are those tokens and never their
 spelling in pieces, and the parts the model chooses are a JSON schema in the
 template's argument style (JSON, or DeepSeek's DSML parameters). The reasoning
 block comes first and is free, up to a budget, and closes with the reasoning
-end token; the grammar then admits only the template's stop tokens.
+end token; after the grammar only the stop tokens it is compiled with are
+admitted (the template's).
 """
 
 from __future__ import annotations

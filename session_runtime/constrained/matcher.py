@@ -84,7 +84,8 @@ class Guard:
 
     def accept(self, token: int) -> None:
         if self.matcher is not None and not self.matcher.accept_token(token):
-            raise RuntimeError(f"the grammar refused token {token} that its own mask admitted")
+            raise RuntimeError(f"the grammar refused token {token} that its own mask admitted "
+                               f"(terminated: {self.matcher.is_terminated()})")
 
     def stop_matched(self, output: Sequence[int]) -> Optional[str]:
         """The stop sequence the output's newest text completes, if any."""

@@ -163,9 +163,9 @@ def _check_server(config, tokenizer, url: str, server, http: httpx.Client) -> SG
             f"the SGLang server at {url} runs radix-cache backend {info.get('radix_cache_backend')!r}; the runtime "
             "needs 'session': start it with --radix-cache-backend session, with session-runtime installed in "
             "its Python environment")
-    if not info.get("skip_tokenizer_init"):
-        logger.warning("the SGLang server at %s tokenizes text too; the runtime sends token ids only "
-                       "(--skip-tokenizer-init saves its tokenizer process)", url)
+    if info.get("skip_tokenizer_init"):
+        logger.warning("the SGLang server at %s runs with --skip-tokenizer-init: it has no grammar backend, so "
+                       "requests that force a tool, ask for a JSON schema or set stop sequences are refused", url)
     control = RequestControl(url, http)
     try:
         ping = control.call("ping", timeout_s=60.0)
@@ -185,6 +185,7 @@ def _check_server(config, tokenizer, url: str, server, http: httpx.Client) -> SG
         raise InvalidRequest(f"--max-context {config.max_context} is larger than the context of the SGLang server "
                              f"at {url} ({derived} tokens); leave it out to use {derived}")
     return SGLangBackend(url, control, page_size=ping["page_size"], capacity=ping["capacity"],
+                         constrains=not info.get("skip_tokenizer_init"),
                          bytes_per_token=bytes_per_token, vocab_size=vocab, max_context=min(config.max_context, derived),
                          server=server, host_tokens=config.host_tokens(bytes_per_token), tp_size=tp_size,
                          lease_s=config.chain_lease_s)

@@ -61,8 +61,10 @@ class SGLangBackend(Backend):
 
     def __init__(self, url: str, control: Optional[RequestControl], *, page_size: int, capacity: int,
                  bytes_per_token: int, vocab_size: int, max_context: int, server=None, host_tokens: int = 0,
-                 tp_size: int = 1, http: Optional[httpx.Client] = None, lease_s: float = 0.0):
+                 tp_size: int = 1, http: Optional[httpx.Client] = None, lease_s: float = 0.0,
+                 constrains: bool = True):
         self.url = url.rstrip("/")
+        self.constrains = constrains  # the server has a tokenizer: grammars and stop sequences
         self.host_tokens = host_tokens  # the scheduler's host tier, allocated when this runtime connects (adopt)
         self._maybe_on_host: set[str] = set()  # owners a tool wait or idle retirement may have demoted
         self.control = control
@@ -150,6 +152,7 @@ class SGLangBackend(Backend):
             raise self._abort_error(reason.get("message") if reason else "the stream ended without a result")
         end_t = time.perf_counter()
         first_t = first_t or end_t
+        stop_sequence = None
         if forced is not None:
             output, finish = forced, "forced"
             computed = prompt + forced
@@ -158,6 +161,8 @@ class SGLangBackend(Backend):
             logprobs = _forced_logprobs(meta, len(forced)) if req.sampling.logprobs else None
         else:
             finish = "stop" if reason.get("type") == "stop" else "length"
+            matched = reason.get("matched")
+            stop_sequence = matched if finish == "stop" and isinstance(matched, str) else None
             computed = prompt + output[:-1] if output else prompt
             logprobs = [e[0] for e in meta.get("output_token_logprobs") or []] if req.sampling.logprobs else None
         report = report_of(meta) or {}
@@ -200,7 +205,8 @@ class SGLangBackend(Backend):
         chain = None if held is None or not report else ChainState(
             tokens=int(held), host_bytes=int(report.get("host_bytes", 0)),
             free_fraction=float(report.get("free_fraction", 1.0)))
-        return StepResult(output=output, finish_reason=finish, sequence=computed, logprobs=logprobs,
+        return StepResult(output=output, finish_reason=finish, stop_sequence=stop_sequence, sequence=computed,
+                          logprobs=logprobs,
                           accounting=accounting, timing=StepTiming(total_ms, total_ms, 0.0),
                           probes=probes if len(probes) == len(req.probe_prompts) else None, chain=chain)
 
@@ -222,6 +228,10 @@ class SGLangBackend(Backend):
     def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]], promote: bool,
               riding: Sequence = ()) -> dict:
         sp = req.sampling
+        if forced is None and (sp.grammar is not None or sp.stop) and not self.constrains:
+            raise InvalidRequest(f"the SGLang server at {self.url} runs with --skip-tokenizer-init, so it cannot "
+                                 "force a tool, follow a JSON schema or match stop sequences; start it with its "
+                                 "tokenizer and --grammar-backend xgrammar")
         intent = ChainIntent(hold=req.hold_chain, cache_limit=None if req.cache_output else len(prompt),
                              promote=promote, share=promote, probes=tuple(_relative(p, prompt) for p in req.probe_prompts),
                              holder=self.holder if self.lease_s > 0 else None, lease_s=self.lease_s,
@@ -229,6 +239,10 @@ class SGLangBackend(Backend):
         params: dict = {"temperature": sp.temperature, "top_p": sp.top_p, "stop_token_ids": sorted(sp.stop_token_ids)}
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed % 2**31
+        if sp.stop:  # matched by SGLang in the decoded output, as our engine matches them
+            params["stop"] = list(sp.stop)
+        if sp.grammar is not None:  # compiled by the server's grammar backend (xgrammar)
+            params["structural_tag"] = sp.grammar
         body: dict = {
             "input_ids": prompt if forced is None else prompt + forced,
             "sampling_params": params, "stream": True, "session_id": req.owner,

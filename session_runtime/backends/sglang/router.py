@@ -117,7 +117,7 @@ class RoutedBackend(HoldsNoChain, SGLangBackend):
     def __init__(self, url: str, like: SGLangBackend, router: Optional[LaunchedServer] = None):
         super().__init__(url, control=None, page_size=like.page_size, capacity=like.capacity,
                          bytes_per_token=like.bytes_per_token, vocab_size=like.vocab_size,
-                         max_context=like.max_context,
+                         max_context=like.max_context, constrains=like.constrains,
                          http=client(headers=getattr(getattr(like, "http", None), "headers", None)))
         self.router = router  # a LaunchedServer this process started, or None for --router-url
         self.steps = 0
