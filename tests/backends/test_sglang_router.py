@@ -13,7 +13,8 @@ from session_runtime.backends.sglang.backend import SGLangBackend
 from session_runtime.backends.sglang.router import RoutedBackend, RouterSpec, routed_namespace, unfold
 from session_runtime.backends.sglang.workers import WorkerPool
 
-LIKE = SimpleNamespace(page_size=16, capacity=2048, bytes_per_token=8, vocab_size=1000, max_context=4096)
+LIKE = SimpleNamespace(page_size=16, capacity=2048, bytes_per_token=8, vocab_size=1000, max_context=4096,
+                       constrains=True)
 
 
 def _worker(url: str) -> SGLangBackend:
