@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import ParsedOutput
@@ -54,33 +53,6 @@ def stop_sequences(value: object, field: str, limit: int) -> tuple[str, ...]:
         if len(s) > MAX_STOP_CHARS:
             raise InvalidRequest(f"{field}: a stop sequence is longer than {MAX_STOP_CHARS} characters", param=field)
     return tuple(dict.fromkeys(items))
-
-
-def forced_tools(choice: Optional[str], tools: Optional[Sequence[dict]], field: str) -> tuple[str, ...]:
-    """The tools a tool choice forces: None for none forced; "*" for any of
-    `tools`; else that tool's name, which must be one of them."""
-    if choice is None:
-        return ()
-    names = [_tool_name(t) for t in tools or ()]
-    if not names:
-        raise InvalidRequest(f"{field} forces a tool call but the request has no tools", param=field)
-    if choice == "*":
-        return tuple(names)
-    if choice not in names:
-        raise InvalidRequest(f"{field} names tool {choice!r}, which is not among the request's tools", param=field)
-    return (choice,)
-
-
-def schema_text(schema: object, field: str) -> str:
-    """A JSON schema (an object, or true) as the JSON text grammars take."""
-    if not isinstance(schema, dict) and schema is not True:
-        raise InvalidRequest(f"{field}: the schema must be a JSON object", param=field)
-    return json.dumps(schema, ensure_ascii=False)
-
-
-def _tool_name(tool: dict) -> str:
-    fn = tool.get("function", tool) if isinstance(tool, dict) else {}
-    return fn.get("name", "") if isinstance(fn, dict) else ""
 
 
 def cut_at_stop(parsed: ParsedOutput, stop: str) -> ParsedOutput:
