@@ -20,7 +20,17 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, and theirs
     stop: tuple[str, ...] = ()  # stop sequences: the output ends where one appears (constrained/)
-    grammar: Optional[str] = None  # an xgrammar structural tag the output follows (constrained/grammar.py)
+    grammar: Optional[str] = None  # an xgrammar structural tag the answer follows (constrained/grammar.py)
+    # The output starts inside the reasoning block, which this token ends (None: it
+    # starts after it); the grammar applies from there. think_budget: the block's
+    # tokens at most, then this token comes (None: up to max_tokens).
+    think_end: Optional[int] = None
+    think_budget: Optional[int] = None
+
+    @property
+    def constrained(self) -> bool:
+        """Does the output follow a grammar, a bounded reasoning block or stop sequences?"""
+        return self.grammar is not None or self.think_end is not None or bool(self.stop)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

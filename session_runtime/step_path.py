@@ -103,8 +103,8 @@ class StepPath:
             remaining = max(self.context_limit - len(rendered.ids), 0)
             if sampling.max_tokens > remaining and forced is None:
                 sampling = dataclasses.replace(sampling, max_tokens=remaining)
-            if constraint.shapes_output and forced is None:
-                sampling = dataclasses.replace(sampling, grammar=self._grammar(conv, tpl, rendered, sampling, constraint))
+            if constraint.needs_grammar and forced is None:
+                sampling = self._grammar(conv, tpl, rendered, sampling, constraint)
             history_len = tpl.rendered_length(conv.system, conv.tools, conv.history, keep, False) if conv.history else 0
             # No KV here in upstream mode: nothing local to weigh keep against drop by.
             probe_prompts = self._counterfactual_prompts(conv, tpl, new) \
@@ -169,14 +169,20 @@ class StepPath:
 
     _RULES = ("keep", "drop")
 
-    def _grammar(self, conv, tpl: Template, rendered, sampling: SamplingParams, constraint: OutputConstraint) -> str:
-        """The step's structural tag: the output starts inside the reasoning
-        block unless the prompt closed it (DeepSeek's skip marker); the
-        reasoning may take half the output budget (Anthropic's budget_tokens
-        where the request set one), the constrained answer the rest."""
+    def _grammar(self, conv, tpl: Template, rendered, sampling: SamplingParams,
+                 constraint: OutputConstraint) -> SamplingParams:
+        """`sampling` with the step's grammar: the answer's structural tag, and
+        where the output starts inside the reasoning block (unless the prompt
+        closed it: DeepSeek's skip marker) the token that ends it and its
+        budget (OutputConstraint.reasoning_budget); unchanged when nothing is
+        to be constrained."""
+        tag = grammar.structural_tag(tpl, conv.tools, constraint)
+        budget = constraint.reasoning_budget(sampling.max_tokens)
         thinking = not rendered.spans or rendered.spans[-1].kind != "think_skip"
-        budget = constraint.think_budget if constraint.think_budget is not None else sampling.max_tokens // 2
-        return grammar.structural_tag(tpl, conv.tools, constraint, thinking, budget)
+        end = grammar.end_think(tpl) if thinking else None
+        if tag is None and (budget is None or end is None):
+            return sampling
+        return dataclasses.replace(sampling, grammar=tag, think_end=end, think_budget=budget if end is not None else None)
 
     def _counterfactual_prompts(self, conv: Conversation, tpl: Template, new: list[Message]) -> list[list[int]]:
         """This turn's prompt as keep and as drop would render it."""

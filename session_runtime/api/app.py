@@ -153,19 +153,21 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
 
     def respond(call, cid: str, first_arg, body, caller: Caller, cancel):
         conv = visible(runtime, cid, caller)  # 404 before any stream starts
+        options = body.options()
         if not body.stream:
-            return timed(call, cid, first_arg, cancel=cancel, **body.options())
+            return timed(call, cid, first_arg, cancel=cancel, **options)
 
         def run(on_token, stream_cancel, on_prefill=None):
             t0 = time.perf_counter()
-            step = call(cid, first_arg, on_token=on_token, cancel=stream_cancel, **body.options())
+            step = call(cid, first_arg, on_token=on_token, cancel=stream_cancel, **options)
             metrics.record_step(step.accounting, (time.perf_counter() - t0) * 1e3)
             return step
 
         # An error before the first token reaches the exception handlers (counted
         # there); one after it is an event, counted as it is sent.
         return StreamingResponse(sse_step(run, runtime.template(conv.template), cancel=cancel,
-                                          on_late_error=metrics.record_error), media_type="text/event-stream")
+                                          on_late_error=metrics.record_error, stop=options["constraint"].stop),
+                                 media_type="text/event-stream")
 
     # A step's client that disconnects, plain or streamed, cancels it (`cancellable`).
     # The step routes' requests are read by a lean handler (api/lean_route.py: FastAPI's answers, less CPU).

@@ -17,8 +17,10 @@ What this server adds to the chat route's answer, as Anthropic's API does:
   `redacted_thinking` blocks, which this server never makes, are refused;
 - streaming (`stream: true`) in Anthropic's event sequence (api/messages_stream.py);
 - `tool_choice`: auto as the model decides; none is honoured by leaving the
-  tools out of the prompt; any and tool are refused (400): the engine cannot
-  constrain sampling, so it cannot force a call;
+  tools out of the prompt; any and tool force a call (the step's grammar,
+  session_runtime/constrained/); `output_format` (or `output_config.format`)
+  a JSON schema for the answer; `stop_sequences` end it, answered with
+  `stop_reason: "stop_sequence"` and the `stop_sequence` matched;
 - usage: `input_tokens` (uncached), `cache_read_input_tokens`,
   `output_tokens` and `output_tokens_details.thinking_tokens`;
 - count_tokens: the prompt tokens the same request renders to (api/token_count.py).
@@ -27,7 +29,6 @@ What this server adds to the chat route's answer, as Anthropic's API does:
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Optional
 
 import anyio
@@ -99,7 +100,11 @@ def build(answers: StepAnswers, validate: Optional[str], runtime) -> APIRouter:
         if isinstance(result, StreamingResponse):
             result.headers["cache-control"] = "no-cache"
             return result  # the step's events in Anthropic's, rendered by the Translator
-        body = adapter.render_response(_answer(reply_of(result), secret), model)
+        reply = reply_of(result)
+        if result.stop_sequence is not None:  # Anthropic names the stop sequence that ended the answer
+            reply = dataclasses.replace(reply, extra={"stop_reason": "stop_sequence",
+                                                      "stop_sequence": result.stop_sequence})
+        body = adapter.render_response(_answer(reply, secret), model)
         if edits is not None:
             body["context_management"] = edits
         return JSONResponse(body, headers={CONVERSATION_HEADER: result.conversation_id})
@@ -137,9 +142,9 @@ def _stream(raw: object) -> bool:
 
 def _tool_choice(raw: object) -> object:
     """The body as the chat route is to answer it: with tool_choice none, its
-    tools left out of the prompt (the model is not offered any). Raises
-    InvalidRequest for a tool_choice this server cannot honour (any, tool) or
-    cannot read."""
+    tools left out of the prompt (the model is not offered any); any and tool
+    are the step's constraint (constrained/wire.py). Raises InvalidRequest for
+    a tool_choice it cannot read."""
     if not isinstance(raw, dict) or raw.get("tool_choice") is None:
         return raw
     choice = raw["tool_choice"]
@@ -147,9 +152,6 @@ def _tool_choice(raw: object) -> object:
     if kind not in _TOOL_CHOICES:
         raise InvalidRequest(f"tool_choice: expected an object with type one of {', '.join(_TOOL_CHOICES)}",
                              param="tool_choice")
-    if kind in ("any", "tool"):
-        raise InvalidRequest(f"tool_choice {json.dumps(choice)} is not supported by this server: it cannot force "
-                             "a tool call (auto and none are supported); leave it out", param="tool_choice")
     if kind == "none":
         return {k: v for k, v in raw.items() if k not in ("tools", "tool_choice")}
     return raw

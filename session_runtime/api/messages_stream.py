@@ -85,6 +85,7 @@ class Translator:
         self.kind: Optional[str] = None  # the open block's type; None when none is open
         self.thinking = ""
         self.finish: Optional[str] = None
+        self.stop_sequence: Optional[str] = None
         self.usage: Optional[dict] = None
         self.failed = False
 
@@ -115,6 +116,7 @@ class Translator:
                 for call in tool_calls(value):
                     yield from self._tool_call(call)
                 self.finish = FINISH.get(value.finish_reason, "stop")
+                self.stop_sequence = value.stop_sequence
                 self.usage = step_usage(value)
         yield from self.end()
 
@@ -125,7 +127,8 @@ class Translator:
             return []
         if self.finish is None:
             return [error_event({"type": "api_error", "message": "the stream ended before the answer did"})]
-        delta = {"stop_reason": STOP_REASON.get(self.finish, "end_turn"), "stop_sequence": None}
+        stop = "stop_sequence" if self.stop_sequence is not None else STOP_REASON.get(self.finish, "end_turn")
+        delta = {"stop_reason": stop, "stop_sequence": self.stop_sequence}
         final = {"type": "message_delta", "delta": delta, "usage": self.usage}
         if self.context_management is not None:
             final["context_management"] = self.context_management

@@ -8,10 +8,12 @@ conversation's. Without `conversation_id` the request is a stateless
 client's: it runs as a step of the conversation its history continues, or of
 a new one (session inference, session_runtime/stateless.py). Every answer
 names its conversation in the `x-session-runtime-conversation` header.
-`logprobs` and `top_logprobs` are honoured (top_logprobs on the embedded engine); parameters this
-server cannot honour (`tool_choice` other than auto,
-penalties, `logit_bias`, `response_format`, `stop`, `n` > 1) are refused with
-400 unless they hold their default; other unknown fields are ignored.
+`logprobs` and `top_logprobs` are honoured (top_logprobs on the embedded engine);
+`tool_choice` (required, a function, allowed_tools required), `response_format`
+(json_object, json_schema) and `stop` constrain the output (constrained/wire.py);
+parameters this server cannot honour (`tool_choice: none` with tools,
+penalties, `logit_bias`, `n` > 1) are refused with 400 unless they hold their
+default; other unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from session_runtime.api.proxy_routes import answerable, proxy_completion, reque
 from session_runtime.api.settings import Caller
 from session_runtime.api.step_input import CONVERSATION_HEADER, FINISH, StepAnswers, StepInput
 from session_runtime.api.streaming import cancellable, sse_lines
+from session_runtime.constrained import wire
 from session_runtime.errors import InvalidRequest
 from session_runtime.protocols.base import CHAT_PROTOCOLS
 from session_runtime.runtime import Runtime
@@ -98,11 +101,10 @@ def _refuse_unsupported(body: "ChatRequest") -> None:
     default: refused with 400 rather than ignored. Raises InvalidRequest."""
     extra = body.model_extra or {}
     fine = {
-        "tool_choice": lambda v: v in (None, "auto") or (v == "none" and not body.tools),
+        "tool_choice": lambda v: v != "none" or not body.tools,
         "presence_penalty": lambda v: v in (None, 0),
         "frequency_penalty": lambda v: v in (None, 0),
         "logit_bias": lambda v: not v,
-        "response_format": lambda v: v is None or v == {"type": "text"},
     }
     for name, ok in fine.items():
         if name in extra and not ok(extra[name]):
@@ -160,15 +162,15 @@ def build_router(runtime: Runtime, record_step, record_error, validate: Optional
         model = runtime.served_names[0]
         if body.model is not None and not upstream:
             model = served_name(runtime, body.model)
-        if body.stop:
-            raise InvalidRequest("stop sequences are not supported; the template's end-of-turn token ends a step",
-                                 param="stop")
         _refuse_unsupported(body)
+        extra = body.model_extra or {}
+        constraint = wire.chat(extra.get("tool_choice"), extra.get("response_format"), body.stop,
+                               extra.get("reasoning_effort"))
         inp = StepInput(
             body.messages, body.tools,
             body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
             body.temperature, body.top_p, body.seed, body.logprobs, body.top_logprobs or 0, body.stream,
-            body.conversation_id, body.create, body.replace, body.policy)
+            body.conversation_id, body.create, body.replace, body.policy, constraint=constraint)
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         usage = bool((body.stream_options or {}).get("include_usage"))
         decode = runtime.tokenizer.decode

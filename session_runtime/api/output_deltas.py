@@ -10,14 +10,15 @@ output is parsed whole only while it is short and at each added token
 between, a plain token can only extend the field being written, so its text is
 decoded on its own (a few tokens of context, as vLLM detokenizes) and appended.
 
-What is sent is never taken back: text that may still become tool-call markup,
+What is sent is never taken back: text that may still become tool-call markup
+or one of the request's stop sequences (whose text the client never sees),
 an incomplete character and trailing newlines (which the templates strip at a
 field's end) wait for what follows, or for the whole step.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from session_runtime.templates.base import Template
 
@@ -26,8 +27,9 @@ _EXACT_BELOW = 128  # tokens: a short output is parsed whole at every token
 
 
 class OutputDeltas:
-    def __init__(self, tpl: Template):
+    def __init__(self, tpl: Template, stop: Sequence[str] = ()):
         self.tpl = tpl
+        self._markers = {"reasoning": tuple(stop), "content": (tpl.call_marker, *stop) if tpl.call_marker else tuple(stop)}
         self._added = tpl.tok.added_ids
         self.ids: list[int] = []
         self.sent = {f: [] for f in FIELDS}  # chunks sent, per field
@@ -57,7 +59,7 @@ class OutputDeltas:
         parsed = self.tpl.parse_output(self.ids, "")
         out = []
         for field, text in (("reasoning", parsed.reasoning), ("content", parsed.content)):
-            text = safe_prefix(text, self._marker(field)).rstrip("\n")  # a field's last newlines wait: the templates strip them
+            text = safe_prefix(text, self._markers[field]).rstrip("\n")  # a field's last newlines wait: the templates strip them
             sent = self._text(field)
             if len(text) > len(sent) and text.startswith(sent):
                 out += self._emit(field, text[len(sent):])
@@ -75,21 +77,18 @@ class OutputDeltas:
         raw = self.tpl.tok.decode(ids)
         body = text.rstrip("\n")
         start = len(raw.rstrip("\n")) - len(body)
-        sent, marker = self._text(field), self._marker(field)
+        sent, markers = self._text(field), self._markers[field]
         if not body or raw.endswith("\ufffd"):
             return None  # nothing to anchor on yet: the next token is parsed whole
         if start < 0 or raw[start:start + len(body)] != body or not raw.startswith(sent, start):
             # The template does more than strip here: parsed whole, tried again a quarter further on.
             self._follow_at = len(self.ids) + len(self.ids) // 4
             return None
-        if marker and marker in raw[start:]:  # tool-call markup: the rest of the field comes with the step
+        if any(m in raw[start:] for m in markers):  # tool-call markup or a stop: the rest comes with the step
             return _Field(field, self.tpl.tok, ids, "", frozen=True)
-        return _Field(field, self.tpl.tok, ids, raw[start + len(sent):], marker=marker)
+        return _Field(field, self.tpl.tok, ids, raw[start + len(sent):], markers=markers)
 
     # ----- bookkeeping --------------------------------------------------------------
-
-    def _marker(self, field: str) -> str:
-        return self.tpl.call_marker if field == "content" else ""
 
     def _text(self, field: str) -> str:
         chunks = self.sent[field]
@@ -107,10 +106,11 @@ class OutputDeltas:
 class _Field:
     """One field's text past what was sent, extended token by token."""
 
-    def __init__(self, field: str, tok, ids: list[int], unsent: str, marker: str = "", frozen: bool = False):
+    def __init__(self, field: str, tok, ids: list[int], unsent: str, markers: tuple[str, ...] = (),
+                 frozen: bool = False):
         self.field = field
         self.tok = tok
-        self.marker = marker
+        self.markers = markers
         self.frozen = frozen
         self.unsent = unsent
         self.window = list(ids[-6:])  # decoding context: a character or a word split across tokens
@@ -128,25 +128,24 @@ class _Field:
         self.unsent += now[len(before):]
         self.window = self.window[-6:]
         self.read = len(self.window)
-        text = safe_prefix(self.unsent, self.marker)
-        if self.marker and self.marker in self.unsent:
-            self.frozen = True  # tool-call markup: the rest comes with the step
+        text = safe_prefix(self.unsent, self.markers)
+        if any(m in self.unsent for m in self.markers):
+            self.frozen = True  # tool-call markup or a stop: the rest comes with the step
         text = text.rstrip("\n")
         self.unsent = self.unsent[len(text):]
         return text
 
 
-def safe_prefix(text: str, marker: str) -> str:
+def safe_prefix(text: str, markers: Sequence[str]) -> str:
     """The part of partly decoded text that can be sent and never taken back:
     without a trailing incomplete character (decoded as U+FFFD until its last
-    byte arrives) and without anything that is, or may become, `marker` (the
-    start of tool-call markup, which is not content)."""
+    byte arrives) and without anything that is, or may become, one of
+    `markers` (the start of tool-call markup, which is not content; a stop
+    sequence, which the client never sees)."""
     text = text.rstrip("\ufffd")
-    if marker:
-        cut = text.find(marker)
-        if cut >= 0:
-            return text[:cut]
-        for keep in range(min(len(marker) - 1, len(text)), 0, -1):
-            if marker.startswith(text[-keep:]):
-                return text[:-keep]
-    return text
+    cuts = [at for at in (text.find(m) for m in markers if m) if at >= 0]
+    if cuts:
+        text = text[:min(cuts)]
+    held = max((keep for m in markers if m for keep in range(min(len(m) - 1, len(text)), 0, -1)
+                if m.startswith(text[-keep:])), default=0)
+    return text[:len(text) - held]

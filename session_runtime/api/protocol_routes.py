@@ -15,9 +15,10 @@ never passed on to fail later: the sampling figures (`max_tokens` /
 `max_output_tokens`, `temperature`, `top_p`, as the chat route bounds them), no messages, a model other than the served one (404; except where
 the server answers as that provider, `--validate` for the route's protocol,
 which takes the provider's model names as the chat route does), and what the
-chat route cannot honour, which the conversion to a chat history would drop:
-`stop_sequences`, a `tool_choice` other than auto (or none without tools),
-Responses' `text.format` other than text.
+conversion to a chat history would drop, read into the step's constraint
+instead (constrained/wire.py): a forced tool call, the answer's JSON schema
+(Responses' `text.format`, Messages' `output_format`), Messages' stop sequences;
+Responses' `tool_choice: none` holds only while there are no tools.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from fastapi import APIRouter, Request
 from session_runtime.api.errors import ModelNotFound
 from session_runtime.api.proxy_routes import answerable
 from session_runtime.api.step_input import FINISH, StepAnswers, StepInput, sampling_figures
+from session_runtime.constrained import wire
+from session_runtime.constrained.spec import OutputConstraint
 from session_runtime.errors import InvalidRequest
 from session_runtime.protocols import ProtocolInputError, get_protocol
 from session_runtime.protocols.base import dig
@@ -91,11 +94,11 @@ def step_input(adapter, protocol: str, raw: object, served: Optional[str]) -> St
         raise InvalidRequest(f"{field}: {missing}", param=field)
     if served is not None:
         _check_model(raw.get("model"), served)
-    _refuse_unsupported(protocol, raw)
+    constraint = _constraint(protocol, raw)
     # The runtime's message shape is chat's: every protocol's history converts to it (protocols/convert.py).
     chat = get_protocol("openai-chat").render_request(to_chat(parsed, protocol, "openai-chat"))
     figures = sampling_figures(chat.get("max_tokens"), chat.get("temperature"), chat.get("top_p"), _NAMES[protocol])
-    return StepInput(answerable(chat.get("messages") or []), chat.get("tools"), **figures)
+    return StepInput(answerable(chat.get("messages") or []), chat.get("tools"), **figures, constraint=constraint)
 
 
 def _check_model(model: object, served: str) -> None:
@@ -110,22 +113,15 @@ def _check_model(model: object, served: str) -> None:
                             "(GET /v1/models)", param="model")
 
 
-def _refuse_unsupported(protocol: str, raw: dict) -> None:
-    """What the chat route refuses rather than ignores, which the conversion
-    to a chat history would drop unseen. Raises InvalidRequest."""
-    if protocol == "anthropic" and raw.get("stop_sequences"):  # chat's `stop`; [] and null are the default
-        raise InvalidRequest("stop_sequences are not supported; the template's end-of-turn token ends a step",
-                             param="stop_sequences")
-    choice = raw.get("tool_choice")
-    kind = choice.get("type") if isinstance(choice, dict) else choice  # Anthropic's is an object, Responses' a string
-    # auto is what the model does anyway; none holds only while there are no tools to call.
-    if choice is not None and not (kind == "auto" or (kind == "none" and not raw.get("tools"))):
-        raise InvalidRequest(f"tool_choice {json.dumps(choice)} is not supported by this server; leave it out",
-                             param="tool_choice")
-    text_format = dig(raw, "text", "format") if protocol == "openai-responses" else None  # chat's response_format
-    if text_format is not None and text_format != {"type": "text"}:
-        raise InvalidRequest(f"text.format {json.dumps(text_format)} is not supported by this server; leave it out",
-                             param="text.format")
+def _constraint(protocol: str, raw: dict) -> OutputConstraint:
+    """What the body constrains in the output, which the conversion to a chat
+    history drops. Raises InvalidRequest."""
+    if protocol == "anthropic":
+        return wire.messages(raw)
+    if raw.get("tool_choice") == "none" and raw.get("tools"):
+        raise InvalidRequest("tool_choice \"none\" with tools is not supported by this server; leave the tools "
+                             "out", param="tool_choice")
+    return wire.responses(raw.get("tool_choice"), dig(raw, "text", "format"), dig(raw, "reasoning", "effort"))
 
 
 def reply_of(step: Step) -> Reply:

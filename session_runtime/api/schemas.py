@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from session_runtime.constrained import wire
 
 
 class ForcedCall(BaseModel):
@@ -44,11 +46,18 @@ class StepOptions(BaseModel):
     top_logprobs: int = Field(default=0, ge=0, le=20)  # with logprobs: the k most likely tokens at each position
     forced: Optional[Forced] = None
     stream: bool = False
+    # What the output must be, in Chat Completions' words (constrained/wire.py).
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+    stop: Optional[Union[str, list[str]]] = None
+    reasoning_effort: Optional[str] = None
 
     def options(self) -> dict:
+        """The runtime's step options. Raises InvalidRequest for a constraint it cannot read."""
         return {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
             "logprobs": self.logprobs, "top_logprobs": self.top_logprobs, "forced": self.forced.model_dump() if self.forced else None,
+            "constraint": wire.chat(self.tool_choice, self.response_format, self.stop, self.reasoning_effort),
         }
 
 

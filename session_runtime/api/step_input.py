@@ -24,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from session_runtime import continuation
 from session_runtime.api.settings import Caller
 from session_runtime.api.streaming import Render, sse_step
+from session_runtime.constrained.spec import NONE, OutputConstraint
 from session_runtime.errors import ConversationBusy, ConversationNotFound, InvalidRequest
 from session_runtime.policies import ReasoningPolicy
 from session_runtime.step import Step
@@ -73,6 +74,7 @@ class StepInput:
     replace: bool = False  # with conversation_id: the client's history replaces the stored one
     policy: Optional[str] = None  # a conversation this request creates: its reasoning policy
     stateless: Stateless = Stateless()
+    constraint: OutputConstraint = NONE  # a forced call, an answer schema, stop sequences (constrained/wire.py)
 
 
 def sampling_figures(max_tokens: object, temperature: object, top_p: object, names: dict[str, str]) -> dict:
@@ -122,7 +124,7 @@ class StepAnswers:
         max_tokens = runtime.max_tokens(inp.max_tokens, default=None)
         request = continuation.split(inp.messages, inp.tools)
         options = {"max_tokens": max_tokens, "temperature": inp.temperature, "top_p": inp.top_p, "seed": inp.seed,
-                   "logprobs": inp.logprobs, "top_logprobs": inp.top_logprobs}
+                   "logprobs": inp.logprobs, "top_logprobs": inp.top_logprobs, "constraint": inp.constraint}
         prepared = None
         if inp.conversation_id:
             cid, created = self._conversation(inp, request, caller)
@@ -157,7 +159,8 @@ class StepAnswers:
         if not inp.stream:
             return run()
         tpl = runtime.template(runtime.get(cid).template)
-        return StreamingResponse(sse_step(run, tpl, cancel=cancel, on_late_error=self.record_error, render=render),
+        return StreamingResponse(sse_step(run, tpl, cancel=cancel, on_late_error=self.record_error, render=render,
+                                          stop=inp.constraint.stop),
                                  media_type="text/event-stream", headers={CONVERSATION_HEADER: cid})
 
     def _conversation(self, inp: StepInput, request: continuation.ChatInput, caller: Caller) -> tuple[str, bool]:

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterator, Optional, TypeVar
+from typing import AsyncIterator, Callable, Iterator, Optional, Sequence, TypeVar
 
 import anyio
 from starlette.concurrency import iterate_in_threadpool
@@ -56,7 +56,8 @@ def session_event(kind: str, payload: object) -> dict:
 
 def sse_step(run: Callable[..., Step], tpl: Template,
              fmt: Format = session_event, first: str = "", cancel: Optional[Cancellation] = None,
-             on_late_error: Callable[[], None] = lambda: None, render: Optional[Render] = None) -> AsyncIterator[str]:
+             on_late_error: Callable[[], None] = lambda: None, render: Optional[Render] = None,
+             stop: Sequence[str] = ()) -> AsyncIterator[str]:
     """Start `run(on_token, cancel, on_prefill)` on its own thread and wait for
     its first event: a step that fails before it raises here, so the client
     gets the error's status instead of a 200 stream. Then return the SSE lines
@@ -64,7 +65,8 @@ def sse_step(run: Callable[..., Step], tpl: Template,
     default each event but the prefill as `data: {fmt(kind, value)}`, ending
     with `data: [DONE]`. An error after the first event is an `error` event
     (and `on_late_error()`: the error handlers never see it). When the client
-    goes away before the end, the step is cancelled."""
+    goes away before the end, the step is cancelled. `stop`: the request's stop
+    sequences, whose text is never sent."""
     events: queue.Queue = queue.Queue()
     cancel = cancel or Cancellation()
 
@@ -81,7 +83,7 @@ def sse_step(run: Callable[..., Step], tpl: Template,
     head = events.get()
     if head[0] == "error":
         raise head[1]  # nothing was sent yet: the error handlers answer with its status
-    typed = step_events(events, tpl, head, on_late_error)
+    typed = step_events(events, tpl, head, on_late_error, stop)
     return _until_disconnect(render(typed) if render is not None else sse_lines(typed, fmt), cancel, first)
 
 
@@ -119,11 +121,11 @@ async def cancellable(request: Request, fn: Callable[[Cancellation], T]) -> T:
 
 
 def step_events(events: queue.Queue, tpl: Template, head: tuple,
-                on_late_error: Callable[[], None]) -> Iterator[Event]:
+                on_late_error: Callable[[], None], stop: Sequence[str] = ()) -> Iterator[Event]:
     """The step's typed events (Event) from the worker's queue: tokens turned
     into reasoning and content deltas (output_deltas.py: text that may still
     become tool-call markup held back until the step ends)."""
-    deltas = OutputDeltas(tpl)
+    deltas = OutputDeltas(tpl, stop)
     while True:
         kind, value = head if head is not None else events.get()
         head = None

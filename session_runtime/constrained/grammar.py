@@ -9,8 +9,9 @@ template's, its control tokens (`<tool_call>`) are those tokens and never their
 spelling in pieces, and the parts the model chooses are a JSON schema in the
 template's argument style (JSON, or DeepSeek's DSML parameters). The reasoning
 block comes first and is free, up to a budget, and closes with the reasoning
-end token; after the grammar only the stop tokens it is compiled with are
-admitted (the template's).
+end token: the embedded engine follows it itself and the grammar starts after
+it (`whole_tag` writes both as one tag for SGLang); after the grammar only the
+stop tokens it is compiled with are admitted (the template's).
 """
 
 from __future__ import annotations
@@ -37,31 +38,37 @@ class _Piece:
     token: Optional[int] = None  # an added token (control token or markup), written as that token
 
 
-def structural_tag(tpl: Template, tools: Sequence[dict], constraint: OutputConstraint, thinking: bool,
-                   think_budget: Optional[int]) -> Optional[str]:
-    """The structural tag (JSON text) for a step whose output starts inside
-    the reasoning block (`thinking`: at most `think_budget` tokens of it), or
-    None when `constraint` shapes nothing. Raises InvalidRequest naming the
-    field the template cannot honour."""
+def structural_tag(tpl: Template, tools: Sequence[dict], constraint: OutputConstraint) -> Optional[str]:
+    """The structural tag (JSON text) of the answer, which starts after the
+    reasoning block, or None when `constraint` shapes nothing. Raises
+    InvalidRequest naming the field the template cannot honour."""
     if not constraint.shapes_output:
         return None
-    end_think = _end_think(tpl)
     elements: list[dict] = []
-    if thinking and end_think is not None:
-        free = {"type": "any_tokens", "exclude_tokens": sorted({end_think, *tpl.stop_token_ids})}
-        if think_budget is not None:
-            free["max_tokens"] = max(think_budget, 0)
-        elements += [free, {"type": "token", "token": end_think}]
-    if constraint.tools:
-        by_name = {tool_schema(t).get("name"): tool_schema(t) for t in tools}
-        calls = [_sequence(_call_format(tpl, by_name[name], constraint.tools_field)) for name in constraint.tools]
+    if constraint.call:
+        calls = [_sequence(_call_format(tpl, tool, constraint.tools_field))
+                 for tool in _called(tools, constraint.tools, constraint.tools_field)]
         elements.append(calls[0] if len(calls) == 1 else {"type": "or", "elements": calls})
     else:
         before, _ = _around(_answer_pieces(tpl), _SENTINEL, _SENTINEL)
         elements += [*_formats(before), _json(json.loads(constraint.answer_schema))]
     tag = json.dumps({"type": "structural_tag", "format": _sequence(elements)}, ensure_ascii=False)
-    _check(tag, "tools" if constraint.tools else constraint.schema_field)
+    _check(tag, "tools" if constraint.call else constraint.schema_field)
     return tag
+
+
+def _called(tools: Sequence[dict], names: tuple[str, ...], field: str) -> list[dict]:
+    """The tools a forced call may name: `names` (every tool when none), in
+    order. Raises InvalidRequest naming `field` for a name the conversation has
+    no tool of, or no tools at all."""
+    by_name = {tool_schema(t).get("name"): tool_schema(t) for t in tools}
+    if not by_name:
+        raise InvalidRequest(f"{field}: a tool call is required, but there are no tools to call", param=field)
+    for name in names:
+        if name not in by_name:
+            known = ", ".join(repr(n) for n in by_name)
+            raise InvalidRequest(f"{field}: there is no tool named {name!r} (the tools are {known})", param=field)
+    return [by_name[n] for n in (names or tuple(by_name))]
 
 
 def _check(tag: str, field: str) -> None:
@@ -75,16 +82,35 @@ def _check(tag: str, field: str) -> None:
         raise InvalidRequest(f"{field}: the schema cannot be turned into a grammar: {exc}", param=field) from None
 
 
+def whole_tag(answer: Optional[str], think_end: Optional[int], think_budget: Optional[int],
+              stop_token_ids: Sequence[int]) -> Optional[str]:
+    """One structural tag for the whole output, reasoning block included (what
+    SGLang's `structural_tag` takes): the reasoning free of stop tokens, at
+    most `think_budget` tokens, then `think_end`, then the answer's format
+    (free when `answer` is None). The embedded engine follows the reasoning
+    block itself (constrained/matcher.py), which costs xgrammar nothing."""
+    if think_end is None:
+        return answer
+    free = {"type": "any_tokens", "exclude_tokens": sorted({think_end, *stop_token_ids})}
+    if think_budget is not None:
+        free["max_tokens"] = max(think_budget, 0)
+    rest = json.loads(answer)["format"] if answer is not None else {
+        "type": "any_tokens", "exclude_tokens": sorted(set(stop_token_ids))}
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "sequence", "elements": [free, {"type": "token", "token": think_end}, rest]}}, ensure_ascii=False)
+
+
+def end_think(tpl: Template) -> Optional[int]:
+    """The token that ends the template's reasoning block (None: it has none)."""
+    return tpl.tok.inner.token_to_id("</think>")
+
+
 def _json(schema: object) -> dict:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
 
 
 def _sequence(elements: list[dict]) -> dict:
     return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
-
-
-def _end_think(tpl: Template) -> Optional[int]:
-    return tpl.tok.inner.token_to_id("</think>")
 
 
 def call_style(tpl: Template, field: str) -> str:
@@ -107,7 +133,9 @@ def _call_format(tpl: Template, tool: dict, field: str) -> list[dict]:
     opening, closing = ("{", "}") if style == "json" else _DSML_PARAMETER
     before, after = _around(_pieces(tpl, _answer_ids(tpl, ids)), opening, closing)
     schema = tool.get("parameters") or {"type": "object"}
-    middle = [_json(schema)] if style == "json" else dsml.arguments(schema, _json)
+    dsml_token = tpl.tok.inner.token_to_id(dsml.DSML)
+    middle = [_json(schema)] if style == "json" else dsml.arguments(
+        schema, _json, dsml_token if dsml_token in tpl.tok.added_ids else None)
     return [*_formats(before), *middle, *_formats(after)]
 
 
@@ -117,9 +145,9 @@ def _answer_pieces(tpl: Template) -> list[_Piece]:
 
 def _answer_ids(tpl: Template, ids: list[int]) -> list[int]:
     """The ids after the reasoning block, without the stop token that ends them."""
-    end_think = _end_think(tpl)
-    if end_think is not None and end_think in ids:
-        ids = ids[ids.index(end_think) + 1:]
+    end = end_think(tpl)
+    if end is not None and end in ids:
+        ids = ids[ids.index(end) + 1:]
     while ids and ids[-1] in tpl.stop_token_ids:
         ids = ids[:-1]
     return ids

@@ -10,27 +10,48 @@ from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import ParsedOutput
 
 MAX_STOP_CHARS = 256  # one stop sequence's length
+# The share of the output cap the reasoning may take at each effort that bounds
+# it (none and minimal: thinking off, the reasoning block closed at once); at
+# the others (medium, high, ...) the model reasons as it would, up to the cap.
+EFFORT_SHARE = {"none": 0.0, "minimal": 0.0, "low": 0.25}
 
 
 @dataclass(frozen=True)
 class OutputConstraint:
-    """`tools`: the step must call one of these tools (a named tool choice is
-    one, `required` / `any` every tool of the request); `answer_schema`: the
+    """`call`: the step must call a tool, one of `tools` (a named tool choice
+    is one; none named: any tool of the conversation); `answer_schema`: the
     answer is JSON text that this JSON schema (JSON text) accepts (JSON mode:
     `{"type": "object"}`); `stop`: the output ends where one of these strings
     appears. `*_field` names each part's field in the request, for errors."""
 
+    call: bool = False
     tools: tuple[str, ...] = ()
     answer_schema: Optional[str] = None
     stop: tuple[str, ...] = ()
-    think_budget: Optional[int] = None  # reasoning tokens before a constrained answer; None: half the output cap
+    think_budget: Optional[int] = None  # the reasoning's tokens at most (Anthropic's budget_tokens, 0: off)
+    effort: Optional[str] = None  # the protocol's reasoning effort, where it bounds the reasoning (EFFORT_SHARE)
     tools_field: str = "tool_choice"
     schema_field: str = "response_format"
 
     @property
     def shapes_output(self) -> bool:
-        """Is a grammar needed (a forced call or a schema), beyond stop sequences?"""
-        return bool(self.tools) or self.answer_schema is not None
+        """Does the output's shape follow a grammar (a forced call or a schema)?"""
+        return self.call or self.answer_schema is not None
+
+    @property
+    def needs_grammar(self) -> bool:
+        """A grammar shapes the output or bounds the reasoning (stop sequences need none)."""
+        return self.shapes_output or self.think_budget is not None or self.effort in EFFORT_SHARE
+
+    def reasoning_budget(self, cap: int) -> Optional[int]:
+        """The reasoning's tokens at most for a step of `cap` output tokens:
+        the request's budget, its effort's share of the cap, or half the cap
+        before a constrained answer; None: unbounded but by the cap."""
+        if self.think_budget is not None:  # one at or past the cap bounds nothing the cap does not
+            return self.think_budget if self.think_budget < cap else (cap // 2 if self.shapes_output else None)
+        if self.effort in EFFORT_SHARE:
+            return int(cap * EFFORT_SHARE[self.effort])
+        return cap // 2 if self.shapes_output else None
 
 
 NONE = OutputConstraint()

@@ -388,7 +388,7 @@ def test_content_parts_in_earlier_messages_are_accepted(oai, client):
 
 
 def test_unsupported_options_are_400_not_ignored(oai):
-    for extra_args in ({"n": 2}, {"stop": ["\n"]}):
+    for extra_args in ({"n": 2}, {"stop": [""]}):
         with pytest.raises(openai.BadRequestError):
             chat(oai, [sys("[unsupported] Options."), user("Hi")], max_tokens=2, **extra_args)
 
@@ -421,9 +421,7 @@ def test_logprobs_are_honoured(oai, client, rt):
 
 def test_unsupported_parameters_are_400_unless_default(oai):
     messages = [sys("[unsupported-params] Options."), user("Hi")]
-    for name, value in (("tool_choice", "required"),
-                        ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"42": 5}),
-                        ("response_format", {"type": "json_object"})):
+    for name, value in (("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"42": 5})):
         with pytest.raises(openai.BadRequestError) as e:
             chat(oai, messages, max_tokens=1, extra_body={name: value})
         err = e.value.response.json()["error"]

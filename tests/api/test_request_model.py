@@ -3,9 +3,10 @@
 refuse the same bad input with the same status, never 500, each in its own
 protocol's error shape; every POST body must be JSON (415) and shallow (at
 most MAX_DEPTH levels); the served model is checked on all three; what the
-chat route cannot honour (stop sequences, a forced tool choice) is refused on
-the other two rather than dropped by the conversion (/v1/messages honours
-tool_choice none by leaving the tools out of the prompt).
+server cannot honour (Responses' tool_choice none with tools, a hosted tool
+choice) is refused rather than dropped by the conversion (/v1/messages honours
+tool_choice none by leaving the tools out of the prompt; what it constrains:
+test_constrained_routes.py).
 
 Over the shared server of conftest.py; the edge's middlewares under other
 settings (keys, a small body limit, allowed hosts) through TestClient apps
@@ -245,21 +246,15 @@ def test_answering_as_the_provider_takes_its_model_names(live, protocol, path, o
 
 
 @pytest.mark.parametrize("route, field, value, message", [
-    ("messages", "stop_sequences", ["END"],
-     "stop_sequences are not supported; the template's end-of-turn token ends a step"),
-    ("messages", "tool_choice", {"type": "any"},
-     'tool_choice {"type": "any"} is not supported by this server: it cannot force a tool call (auto and none are '
-     'supported); leave it out'),
-    ("messages", "tool_choice", {"type": "tool", "name": "get_weather"},
-     'tool_choice {"type": "tool", "name": "get_weather"} is not supported by this server: it cannot force a tool '
-     'call (auto and none are supported); leave it out'),
-    ("responses", "tool_choice", "required", 'tool_choice "required" is not supported by this server; leave it out'),
-    ("responses", "tool_choice", {"type": "function", "name": "get_weather"},
-     'tool_choice {"type": "function", "name": "get_weather"} is not supported by this server; leave it out'),
-    ("responses", "text", {"format": {"type": "json_object"}},
-     'text.format {"type": "json_object"} is not supported by this server; leave it out'),
+    # none with tools: Messages leaves the tools out of the prompt; Responses cannot, so says so.
+    ("responses", "tool_choice", "none", 'tool_choice "none" with tools is not supported by this server; leave the '
+                                         'tools out'),
+    ("responses", "tool_choice", {"type": "mcp", "server_label": "x"},
+     'tool_choice {"type": "mcp", "server_label": "x"} is not supported: expected "auto", "none", "required" or a '
+     'function tool'),
 ])
 def test_what_the_chat_route_refuses_is_refused_not_dropped(client, rt, route, field, value, message):
+    """The constraints this server honours are tested in test_constrained_routes.py; these it cannot."""
     tools = {"messages": [{"name": "get_weather", "description": "Weather.", "input_schema": {"type": "object"}}],
              "responses": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]}[route]
     r = client.post(PATHS[route], json={**VALID[route], "tools": tools, field: value})

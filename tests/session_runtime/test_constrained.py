@@ -42,7 +42,7 @@ def rt(runtime):
 def test_a_forced_call_then_a_schema_answer(rt):
     cid = rt.create_conversation("You call tools.", tools=[TOOL])
     first = rt.send_message(cid, "Weather?", max_tokens=200,
-                            constraint=OutputConstraint(tools=("lookup",), think_budget=4))
+                            constraint=OutputConstraint(call=True, tools=("lookup",), think_budget=4))
     assert first.finish_reason == "tool_calls", first
     (call,) = first.tool_calls
     assert call["name"] == "lookup"

@@ -62,9 +62,13 @@ def test_invalid_unicode_is_refused_and_creates_nothing(rt):
 
 def test_safe_prefix_holds_back_partial_characters_and_markup():
     marker = "\n\n<｜DSML｜function_calls>"
-    assert safe_prefix("Checking.\n\n<｜DS", marker) == "Checking."
-    assert safe_prefix("Checking." + marker + "x", marker) == "Checking."
-    assert safe_prefix("héllo \ufffd", "") == "héllo "
+    assert safe_prefix("Checking.\n\n<｜DS", (marker,)) == "Checking."
+    assert safe_prefix("Checking." + marker + "x", (marker,)) == "Checking."
+    assert safe_prefix("héllo \ufffd", ()) == "héllo "
+    # A stop sequence: cut where it starts, and a tail that may still become one held back.
+    assert safe_prefix("one END two", ("END", marker)) == "one "
+    assert safe_prefix("one EN", ("END",)) == "one "
+    assert safe_prefix("one ENX", ("END",)) == "one ENX"
 
 
 def test_streamed_deltas_equal_the_step(rt):

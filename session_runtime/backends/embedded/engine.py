@@ -181,7 +181,7 @@ class Engine(HostTierOps, Backend):
         ):
             raise InvalidRequest(f"token id out of the model's vocabulary (0..{vocab - 1})")
         guard = None  # the step's grammar and stop sequences, compiled before it waits for the engine
-        if req.forced is None and (req.sampling.grammar is not None or req.sampling.stop):
+        if req.forced is None and req.sampling.constrained:
             if self.guards is None:
                 raise InvalidRequest("this engine was built without constrained output (grammars, stop sequences)")
             guard = self.guards.for_step(req.sampling, vocab)

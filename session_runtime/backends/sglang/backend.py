@@ -36,6 +36,7 @@ from session_runtime.backends.sglang.after import OwnerQueue
 from session_runtime.backends.sglang.control_client import RequestControl
 from session_runtime.direct_http import DirectPool, TransportError
 from session_runtime.turns import common_prefix
+from session_runtime.constrained.grammar import whole_tag
 from session_runtime.errors import BackendUnavailable, ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.metrics import Sample, gauge
 
@@ -228,7 +229,7 @@ class SGLangBackend(Backend):
     def _body(self, req: StepRequest, prompt: list[int], forced: Optional[list[int]], promote: bool,
               riding: Sequence = ()) -> dict:
         sp = req.sampling
-        if forced is None and (sp.grammar is not None or sp.stop) and not self.constrains:
+        if forced is None and sp.constrained and not self.constrains:
             raise InvalidRequest(f"the SGLang server at {self.url} runs with --skip-tokenizer-init, so it cannot "
                                  "force a tool, follow a JSON schema or match stop sequences; start it with its "
                                  "tokenizer and --grammar-backend xgrammar")
@@ -241,8 +242,9 @@ class SGLangBackend(Backend):
             params["sampling_seed"] = sp.seed % 2**31
         if sp.stop:  # matched by SGLang in the decoded output, as our engine matches them
             params["stop"] = list(sp.stop)
-        if sp.grammar is not None:  # compiled by the server's grammar backend (xgrammar)
-            params["structural_tag"] = sp.grammar
+        tag = whole_tag(sp.grammar, sp.think_end, sp.think_budget, sorted(sp.stop_token_ids))
+        if tag is not None:  # compiled by the server's grammar backend (xgrammar), reasoning block included
+            params["structural_tag"] = tag
         body: dict = {
             "input_ids": prompt if forced is None else prompt + forced,
             "sampling_params": params, "stream": True, "session_id": req.owner,

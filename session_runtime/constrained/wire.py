@@ -1,0 +1,208 @@
+"""Each protocol's constraint fields read into one `OutputConstraint`, checked
+as the provider checks them: a forced or required tool call, a JSON schema or
+JSON object for the answer, stop sequences. Bad input is an InvalidRequest
+naming the field in the protocol's own words; nothing here reads a
+conversation (a tool name is checked against the conversation's tools when
+the step's grammar is built, constrained/grammar.py).
+
+| | forced call | answer schema | stop |
+|---|---|---|---|
+| Chat Completions (and the session API) | `tool_choice` required / a function | `response_format` | `stop`, 4 |
+| Responses | `tool_choice` required / a function / allowed_tools required | `text.format` | none |
+| Messages | `tool_choice` any / tool | `output_format`, `output_config.format` | `stop_sequences`, 16 |
+
+Reasoning effort (`reasoning_effort`, Responses' `reasoning.effort`,
+Messages' `output_config.effort`) and Messages' `thinking` (disabled: 0,
+enabled: its budget_tokens) bound the reasoning block (spec.EFFORT_SHARE):
+none and minimal close it at once (thinking off), low gives it a quarter of
+the output cap, the others leave the model's own.
+
+`none` and `auto` constrain nothing here (the routes honour `none` as they
+did: Messages leaves the tools out of the prompt, the others accept it only
+without tools). `parallel_tool_calls: false` (`disable_parallel_tool_use`)
+needs nothing more where a call is forced: the grammar admits one call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from session_runtime.constrained.spec import NONE, OutputConstraint, stop_sequences
+from session_runtime.errors import InvalidRequest
+
+OPENAI_STOPS = 4  # OpenAI's documented limit
+ANTHROPIC_STOPS = 16  # Anthropic documents none; this server's, said in docs/api.md
+OPENAI_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+ANTHROPIC_EFFORTS = ("low", "medium", "high", "max")
+_JSON_OBJECT = json.dumps({"type": "object"})
+
+
+def chat(tool_choice: object, response_format: object, stop: object, effort: object = None) -> OutputConstraint:
+    """Chat Completions' fields (the session API takes the same)."""
+    call, tools = _openai_choice(tool_choice, nested=True)
+    schema = _openai_format(response_format, "response_format", nested=True)
+    return _constraint(call, tools, schema, stop_sequences(stop, "stop", OPENAI_STOPS), "response_format",
+                       effort=_effort(effort, "reasoning_effort", OPENAI_EFFORTS))
+
+
+def responses(tool_choice: object, text_format: object, effort: object = None) -> OutputConstraint:
+    """Responses' fields (it has no stop sequences)."""
+    call, tools = _openai_choice(tool_choice, nested=False)
+    schema = _openai_format(text_format, "text.format", nested=False)
+    return _constraint(call, tools, schema, (), "text.format",
+                       effort=_effort(effort, "reasoning.effort", OPENAI_EFFORTS))
+
+
+def messages(raw: dict) -> OutputConstraint:
+    """Messages' fields, from the body: `tool_choice` any or tool, the answer's
+    `output_format` (or `output_config.format`), `stop_sequences`."""
+    choice = raw.get("tool_choice")
+    call, tools = False, ()
+    if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        call = True
+        if choice["type"] == "tool":
+            tools = (_name(choice.get("name"), "tool_choice.name"),)
+    field, fmt = "output_format", raw.get("output_format")
+    config = raw.get("output_config")
+    if fmt is None and isinstance(config, dict) and config.get("format") is not None:
+        field, fmt = "output_config.format", config["format"]
+    schema = None
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest(f"{field}: expected {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param=field)
+        schema = json.dumps(fmt["schema"], ensure_ascii=False)
+    stop = stop_sequences(raw.get("stop_sequences"), "stop_sequences", ANTHROPIC_STOPS)
+    effort = _effort(config.get("effort") if isinstance(config, dict) else None, "output_config.effort",
+                     ANTHROPIC_EFFORTS)
+    return _constraint(call, tools, schema, stop, field, _thinking_budget(raw.get("thinking")), effort)
+
+
+def _constraint(call: bool, tools: tuple, schema: Optional[str], stop: tuple, schema_field: str,
+                think_budget: Optional[int] = None, effort: Optional[str] = None) -> OutputConstraint:
+    if call and schema is not None:
+        raise InvalidRequest(f"{schema_field}: an answer schema and a forced tool call cannot both hold "
+                             "(the step either calls or answers)", param=schema_field)
+    if not call and schema is None and not stop and think_budget is None and effort is None:
+        return NONE
+    return OutputConstraint(call=call, tools=tools, answer_schema=schema, stop=stop, schema_field=schema_field,
+                            think_budget=think_budget, effort=effort)
+
+
+def _effort(value: object, field: str, known: tuple[str, ...]) -> Optional[str]:
+    """The protocol's reasoning effort, checked (EFFORT_SHARE says which bound the reasoning)."""
+    if value is None:
+        return None
+    if value not in known:
+        raise InvalidRequest(f"{field}: expected one of {', '.join(known)}", param=field)
+    return value
+
+
+def _thinking_budget(thinking: object) -> Optional[int]:
+    """Anthropic's `thinking` as a reasoning budget: disabled is 0 (the
+    reasoning block closed at once), enabled its budget_tokens; adaptive and
+    none given leave the model's own."""
+    if not isinstance(thinking, dict):
+        return None
+    if thinking.get("type") == "disabled":
+        return 0
+    budget = thinking.get("budget_tokens")
+    if thinking.get("type") == "enabled" and isinstance(budget, int) and not isinstance(budget, bool):
+        if budget < 0:
+            raise InvalidRequest("thinking.budget_tokens: expected a number of tokens", param="thinking.budget_tokens")
+        return budget
+    return None
+
+
+def _openai_choice(choice: object, nested: bool) -> tuple[bool, tuple[str, ...]]:
+    """(a call is forced, the tools it may name) for OpenAI's `tool_choice`:
+    auto, none, required, a function (Chat nests its name under `function`),
+    or allowed_tools in mode required."""
+    if choice is None or choice in ("auto", "none"):
+        return False, ()
+    if choice == "required":
+        return True, ()
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "function":
+        return True, (_tool_name(choice, nested, "tool_choice.function.name" if nested else "tool_choice.name"),)
+    if kind == "allowed_tools":
+        allowed = choice.get("allowed_tools") if nested else choice
+        allowed = allowed if isinstance(allowed, dict) else {}
+        if allowed.get("mode") == "required" and isinstance(allowed.get("tools"), list) and allowed["tools"]:
+            return True, tuple(_tool_name(t, nested, "tool_choice.tools") for t in allowed["tools"])
+        raise InvalidRequest("tool_choice: allowed_tools is supported in mode \"required\" with a list of "
+                             "function tools; leave it out for auto", param="tool_choice")
+    raise InvalidRequest(f"tool_choice {json.dumps(choice)} is not supported: expected \"auto\", \"none\", "
+                         "\"required\" or a function tool", param="tool_choice")
+
+
+def _openai_format(fmt: object, field: str, nested: bool) -> Optional[str]:
+    """The answer's schema (JSON text) for OpenAI's response_format /
+    text.format: text (None), json_object, or json_schema (Chat nests it under
+    `json_schema`), a strict schema checked as OpenAI checks one."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _JSON_OBJECT
+    if kind == "json_schema":
+        spec = fmt.get("json_schema") if nested else fmt
+        where = f"{field}.json_schema" if nested else field
+        if not isinstance(spec, dict):
+            raise InvalidRequest(f"{where}: expected an object with name and schema", param=where)
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"{where}.schema: expected a JSON schema object", param=f"{where}.schema")
+        if spec.get("strict"):
+            strict_check(schema, spec.get("name", ""), field)
+        return json.dumps(schema, ensure_ascii=False)
+    raise InvalidRequest(f"{field}: type must be one of text, json_object, json_schema", param=field)
+
+
+def strict_check(schema: dict, name: str, field: str) -> None:
+    """OpenAI's rules for a strict schema: an object at the root, and in every
+    object `additionalProperties: false` and every property required. Raises
+    InvalidRequest in OpenAI's words."""
+    def refuse(where: str, why: str) -> None:
+        raise InvalidRequest(f"Invalid schema for {field} '{name}': In context={where}, {why}", param=field)
+
+    if schema.get("type") != "object":
+        refuse("()", "schema must be a JSON Schema of 'type: \"object\"'")
+
+    def walk(node: object, where: tuple) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, where + (str(i),))
+            return
+        if not isinstance(node, dict):
+            return
+        if node.get("type") == "object" or "properties" in node:
+            props = node.get("properties") or {}
+            if node.get("additionalProperties") is not False:
+                refuse(str(where), "'additionalProperties' is required to be supplied and to be false")
+            missing = [p for p in props if p not in (node.get("required") or [])]
+            if missing:
+                refuse(str(where), f"'required' is required to be supplied and to be an array including every "
+                                   f"key in properties. Missing '{missing[0]}'")
+        for key, value in node.items():
+            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+                for sub, child in value.items():
+                    walk(child, where + (key, sub))
+            elif key in ("items", "anyOf", "allOf", "oneOf", "prefixItems"):
+                walk(value, where + (key,))
+
+    walk(schema, ())
+
+
+def _tool_name(tool: object, nested: bool, field: str) -> str:
+    """A function tool's name in OpenAI's writing (Chat nests it under `function`)."""
+    inner = tool.get("function") if nested and isinstance(tool, dict) else tool
+    return _name(inner.get("name") if isinstance(inner, dict) else None, field)
+
+
+def _name(value: object, field: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{field}: expected a tool's name", param=field)
+    return value
