@@ -11,8 +11,8 @@ names its conversation in the `x-session-runtime-conversation` header.
 `logprobs` and `top_logprobs` are honoured (top_logprobs on the embedded engine);
 `tool_choice` (required, a function, allowed_tools required), `response_format`
 (json_object, json_schema) and `stop` constrain the output (constrained/wire.py);
-parameters this server cannot honour (`tool_choice: none` with tools,
-penalties, `logit_bias`, `n` > 1) are refused with 400 unless they hold their
+`tool_choice: none` with tools keeps them in the prompt and the answer from
+calling; parameters this server cannot honour (penalties, `logit_bias`, `n` > 1) are refused with 400 unless they hold their
 default; other unknown fields are ignored.
 """
 
@@ -101,7 +101,6 @@ def _refuse_unsupported(body: "ChatRequest") -> None:
     default: refused with 400 rather than ignored. Raises InvalidRequest."""
     extra = body.model_extra or {}
     fine = {
-        "tool_choice": lambda v: v != "none" or not body.tools,
         "presence_penalty": lambda v: v in (None, 0),
         "frequency_penalty": lambda v: v in (None, 0),
         "logit_bias": lambda v: not v,

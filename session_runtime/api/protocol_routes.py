@@ -17,8 +17,7 @@ the server answers as that provider, `--validate` for the route's protocol,
 which takes the provider's model names as the chat route does), and what the
 conversion to a chat history would drop, read into the step's constraint
 instead (constrained/wire.py): a forced tool call, the answer's JSON schema
-(Responses' `text.format`, Messages' `output_format`), Messages' stop sequences;
-Responses' `tool_choice: none` holds only while there are no tools.
+(Responses' `text.format`, Messages' `output_format`), Messages' stop sequences.
 """
 
 from __future__ import annotations
@@ -118,9 +117,6 @@ def _constraint(protocol: str, raw: dict) -> OutputConstraint:
     history drops. Raises InvalidRequest."""
     if protocol == "anthropic":
         return wire.messages(raw)
-    if raw.get("tool_choice") == "none" and raw.get("tools"):
-        raise InvalidRequest("tool_choice \"none\" with tools is not supported by this server; leave the tools "
-                             "out", param="tool_choice")
     return wire.responses(raw.get("tool_choice"), dig(raw, "text", "format"), dig(raw, "reasoning", "effort"))
 
 

@@ -42,17 +42,19 @@ def structural_tag(tpl: Template, tools: Sequence[dict], constraint: OutputConst
     """The structural tag (JSON text) of the answer, which starts after the
     reasoning block, or None when `constraint` shapes nothing. Raises
     InvalidRequest naming the field the template cannot honour."""
-    if not constraint.shapes_output:
+    if not constraint.shapes_output or (constraint.no_call and not tools and constraint.answer_schema is None):
         return None
-    elements: list[dict] = []
-    if constraint.call:
-        calls = [_sequence(_call_format(tpl, tool, constraint.tools_field))
-                 for tool in _called(tools, constraint.tools, constraint.tools_field)]
-        elements.append(calls[0] if len(calls) == 1 else {"type": "or", "elements": calls})
-    else:
+    if constraint.no_call and constraint.answer_schema is None:
+        return _no_call(tpl, tools, constraint.tools_field)
+    choices = []  # the outputs the step may have: a call of each tool it may call, an answer in the schema
+    if constraint.call or (tools and not constraint.no_call):
+        choices += [_sequence(_call_format(tpl, tool, constraint.tools_field))
+                    for tool in _called(tools, constraint.tools, constraint.tools_field)]
+    if not constraint.call:  # with tools, as OpenAI's structured outputs: a call, or the answer in its schema
         before, _ = _around(_answer_pieces(tpl), _SENTINEL, _SENTINEL)
-        elements += [*_formats(before), _json(json.loads(constraint.answer_schema))]
-    tag = json.dumps({"type": "structural_tag", "format": _sequence(elements)}, ensure_ascii=False)
+        choices.append(_sequence([*_formats(before), _json(json.loads(constraint.answer_schema))]))
+    form = choices[0] if len(choices) == 1 else {"type": "or", "elements": choices}
+    tag = json.dumps({"type": "structural_tag", "format": form}, ensure_ascii=False)
     _check(tag, "tools" if constraint.call else constraint.schema_field)
     return tag
 
@@ -98,6 +100,19 @@ def whole_tag(answer: Optional[str], think_end: Optional[int], think_budget: Opt
         "type": "any_tokens", "exclude_tokens": sorted(set(stop_token_ids))}
     return json.dumps({"type": "structural_tag", "format": {
         "type": "sequence", "elements": [free, {"type": "token", "token": think_end}, rest]}}, ensure_ascii=False)
+
+
+def _no_call(tpl: Template, tools: Sequence[dict], field: str) -> str:
+    """A free answer that never starts a call: without the added token the
+    template's call markup starts with. Raises InvalidRequest where the
+    markup has none (the template spells it in plain text)."""
+    tool = tool_schema(tools[0])
+    before = [p for p in _call_format(tpl, tool, field) if p.get("type") == "token"]
+    if not before:
+        raise InvalidRequest(f"{field}: this model's chat template writes tool calls in plain text, so \"none\" "
+                             "cannot keep it from calling; leave the tools out instead", param=field)
+    free = {"type": "any_tokens", "exclude_tokens": sorted({before[0]["token"], *tpl.stop_token_ids})}
+    return json.dumps({"type": "structural_tag", "format": free})
 
 
 def end_think(tpl: Template) -> Optional[int]:

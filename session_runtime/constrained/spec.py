@@ -25,6 +25,7 @@ class OutputConstraint:
     appears. `*_field` names each part's field in the request, for errors."""
 
     call: bool = False
+    no_call: bool = False  # tool_choice none with tools: the step answers, the tools stay in the prompt
     tools: tuple[str, ...] = ()
     answer_schema: Optional[str] = None
     stop: tuple[str, ...] = ()
@@ -36,7 +37,7 @@ class OutputConstraint:
     @property
     def shapes_output(self) -> bool:
         """Does the output's shape follow a grammar (a forced call or a schema)?"""
-        return self.call or self.answer_schema is not None
+        return self.call or self.no_call or self.answer_schema is not None
 
     @property
     def needs_grammar(self) -> bool:
@@ -46,12 +47,14 @@ class OutputConstraint:
     def reasoning_budget(self, cap: int) -> Optional[int]:
         """The reasoning's tokens at most for a step of `cap` output tokens:
         the request's budget, its effort's share of the cap, or half the cap
-        before a constrained answer; None: unbounded but by the cap."""
+        before a call or an answer in a schema (which need room after it);
+        None: unbounded but by the cap."""
+        room = self.call or self.answer_schema is not None
         if self.think_budget is not None:  # one at or past the cap bounds nothing the cap does not
-            return self.think_budget if self.think_budget < cap else (cap // 2 if self.shapes_output else None)
+            return self.think_budget if self.think_budget < cap else (cap // 2 if room else None)
         if self.effort in EFFORT_SHARE:
             return int(cap * EFFORT_SHARE[self.effort])
-        return cap // 2 if self.shapes_output else None
+        return cap // 2 if room else None
 
 
 NONE = OutputConstraint()

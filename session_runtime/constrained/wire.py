@@ -17,9 +17,11 @@ enabled: its budget_tokens) bound the reasoning block (spec.EFFORT_SHARE):
 none and minimal close it at once (thinking off), low gives it a quarter of
 the output cap, the others leave the model's own.
 
-`none` and `auto` constrain nothing here (the routes honour `none` as they
-did: Messages leaves the tools out of the prompt, the others accept it only
-without tools). `parallel_tool_calls: false` (`disable_parallel_tool_use`)
+OpenAI's `none` with tools keeps the tools in the prompt (the cached prefix
+stays the conversation's) and the answer from starting a call; Messages'
+`none` leaves the tools out of the prompt, as before. With an answer schema
+and tools the step may call a tool or answer in the schema, as OpenAI's
+structured outputs do. `parallel_tool_calls: false` (`disable_parallel_tool_use`)
 needs nothing more where a call is forced: the grammar admits one call.
 """
 
@@ -58,7 +60,7 @@ def messages(raw: dict) -> OutputConstraint:
     """Messages' fields, from the body: `tool_choice` any or tool, the answer's
     `output_format` (or `output_config.format`), `stop_sequences`."""
     choice = raw.get("tool_choice")
-    call, tools = False, ()
+    call, tools = None, ()  # none: the route leaves the tools out of the prompt (api/messages_route.py)
     if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
         call = True
         if choice["type"] == "tool":
@@ -78,15 +80,14 @@ def messages(raw: dict) -> OutputConstraint:
     return _constraint(call, tools, schema, stop, field, _thinking_budget(raw.get("thinking")), effort)
 
 
-def _constraint(call: bool, tools: tuple, schema: Optional[str], stop: tuple, schema_field: str,
+def _constraint(call: Optional[bool], tools: tuple, schema: Optional[str], stop: tuple, schema_field: str,
                 think_budget: Optional[int] = None, effort: Optional[str] = None) -> OutputConstraint:
-    if call and schema is not None:
-        raise InvalidRequest(f"{schema_field}: an answer schema and a forced tool call cannot both hold "
-                             "(the step either calls or answers)", param=schema_field)
-    if not call and schema is None and not stop and think_budget is None and effort is None:
+    if call:
+        schema = None  # a forced call is the step's whole output: there is no answer for a schema to shape
+    if call is None and schema is None and not stop and think_budget is None and effort is None:
         return NONE
-    return OutputConstraint(call=call, tools=tools, answer_schema=schema, stop=stop, schema_field=schema_field,
-                            think_budget=think_budget, effort=effort)
+    return OutputConstraint(call=bool(call), no_call=call is False, tools=tools, answer_schema=schema, stop=stop,
+                            schema_field=schema_field, think_budget=think_budget, effort=effort)
 
 
 def _effort(value: object, field: str, known: tuple[str, ...]) -> Optional[str]:
@@ -114,11 +115,13 @@ def _thinking_budget(thinking: object) -> Optional[int]:
     return None
 
 
-def _openai_choice(choice: object, nested: bool) -> tuple[bool, tuple[str, ...]]:
-    """(a call is forced, the tools it may name) for OpenAI's `tool_choice`:
-    auto, none, required, a function (Chat nests its name under `function`),
-    or allowed_tools in mode required."""
-    if choice is None or choice in ("auto", "none"):
+def _openai_choice(choice: object, nested: bool) -> tuple[Optional[bool], tuple[str, ...]]:
+    """(a call is forced: True, forbidden: False, else None; the tools it may
+    name) for OpenAI's `tool_choice`: auto, none, required, a function (Chat
+    nests its name under `function`), or allowed_tools in mode required."""
+    if choice is None or choice == "auto":
+        return None, ()
+    if choice == "none":
         return False, ()
     if choice == "required":
         return True, ()

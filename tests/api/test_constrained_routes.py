@@ -14,6 +14,7 @@ it, so every output here is the model's own, constrained.
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import anthropic
 import httpx
@@ -88,7 +89,7 @@ def test_chat_forced_call_then_a_schema_answer_on_one_chain(oai, rt):
     messages += [{"role": "assistant", "content": choice.message.content or "", "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": "15 C"}]
     second = oai.chat.completions.create(
-        model=MODEL, messages=messages, tools=CHAT_TOOLS, max_tokens=CAP, **LOW,
+        model=MODEL, messages=messages, tools=CHAT_TOOLS, max_tokens=CAP, **LOW, tool_choice="none",
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER, "strict": True}})
     assert second.choices[0].finish_reason == "stop", second
     jsonschema.validate(json.loads(second.choices[0].message.content), ANSWER)
@@ -96,6 +97,19 @@ def test_chat_forced_call_then_a_schema_answer_on_one_chain(oai, rt):
     extra = second.model_extra
     assert extra["conversation_id"] == first.model_extra["conversation_id"]
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_chat_none_keeps_the_tools_in_the_prompt_and_answers(oai, rt):
+    """tool_choice none with tools: the prompt is the one with tools (the next
+    request's prefix is cached), the answer never starts a call."""
+    messages = chat_messages("none")
+    r = oai.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS, max_tokens=60,
+                                    tool_choice="none", reasoning_effort="minimal")
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.reasoning_content == ""  # minimal: the reasoning block closed at once
+    assert r.choices[0].message.content
+    auto = oai.chat.completions.create(model=MODEL, messages=messages, tools=CHAT_TOOLS, max_tokens=1)
+    assert auto.usage.prompt_tokens == r.usage.prompt_tokens
 
 
 def test_chat_required_picks_one_of_the_tools(oai, rt):
@@ -169,7 +183,7 @@ def test_the_session_api_takes_chat_s_fields(client, rt):
     assert step["finish_reason"] == "tool_calls" and len(step["tool_calls"]) == 1
     call = step["tool_calls"][0]
     step = step_ok(client.post(f"/v1/conversations/{cid}/tool_results", json={
-        "results": [{"tool_call_id": call["id"], "content": "15 C"}], "max_tokens": CAP, **LOW,
+        "results": [{"tool_call_id": call["id"], "content": "15 C"}], "max_tokens": CAP, **LOW, "tool_choice": "none",
         "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}}))
     jsonschema.validate(json.loads(step["content"]), ANSWER)
 
@@ -194,9 +208,6 @@ def test_json_mode_is_an_object_schema():
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}},
      "response_format", None),
-    ("chat", {"tools": CHAT_TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "response_format", "response_format: an answer schema and a forced tool call cannot both hold (the step "
-                        "either calls or answers)"),
     ("responses", {"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice", None),
     ("responses", {"text": {"format": {"type": "yaml"}}}, "text.format",
      "text.format: type must be one of text, json_object, json_schema"),
@@ -225,3 +236,72 @@ def test_bad_messages_constraints_are_anthropic_400s(sdk, rt):
             sdk.messages.create(**body, extra_body=extra)
         assert bad.value.body["error"]["message"] == message
     assert set(rt.conversations) == before
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_the_openai_agents_sdk_tool_loop_runs(server, api):
+    """A real framework's loop: the OpenAI Agents SDK with tool_choice
+    required and a structured final output. Each run calls the tool (its
+    result reaches the model), then answers in the output type's schema; the
+    second run continues the first's history (over Chat, one conversation of
+    the server's session inference). After its tool the agent asks
+    for an answer (tool_choice none, set by a hook, in place of the SDK's
+    reset to auto): under auto the random weights call the tool again rather
+    than answer, as they may."""
+    import asyncio
+
+    import pydantic
+    import dataclasses
+
+    from agents import (Agent, AgentHooks, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
+                        function_tool, set_tracing_disabled)
+    from openai import AsyncOpenAI
+    from openai.types.shared import Reasoning
+
+    class Report(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        ok: bool
+        n: Literal[1, 2, 3]  # bounded: random weights write an unbounded integer's digits to the cap
+
+    set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:  # bounded, as Report's n
+        """Current weather of a city."""
+        seen.append(city)
+        return "15 C"
+
+    async def main() -> list:
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        model = (OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel)(
+            model=MODEL, openai_client=client)
+        class AnswerAfterTheTool(AgentHooks):
+            async def on_tool_end(self, context, agent, tool, result) -> None:
+                agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
+        def agent() -> Agent:
+            return Agent(name="weather", instructions=f"[constrained agents {api}] Use the tool.", model=model,
+                         tools=[get_weather], output_type=Report, hooks=AnswerAfterTheTool(), reset_tool_choice=False,
+                         model_settings=ModelSettings(tool_choice="required", max_tokens=CAP,
+                                                      reasoning=Reasoning(effort="low")))
+
+        first = await Runner.run(agent(), "Weather in Paris?", max_turns=4)
+        second = await Runner.run(agent(), first.to_input_list() + [{"role": "user", "content": "And Rome?"}],
+                                  max_turns=4)
+        await client.close()
+        return [first, second]
+
+    first, second = asyncio.run(main())
+    assert len(seen) == 2  # each run called the tool once, then answered
+    for result in (first, second):
+        assert isinstance(result.final_output, Report)
+        outputs = [item.output for item in result.new_items if item.type == "tool_call_output_item"]
+        assert outputs == ["15 C"]
+    rt = server.runtime
+    cids = [c for c in rt.conversations if rt.get(c).system == f"[constrained agents {api}] Use the tool."]
+    # Chat: one inferred conversation; Responses: each stored response is one (resp_...), the last holds all.
+    assert len(cids) == 1 if api == "chat" else len(cids) == 4
+    last = max(cids, key=lambda c: len(rt.describe(c)["trace"]))
+    tool_results = [m for m in rt.describe(last)["trace"] if m.get("role") == "tool"]
+    assert [m["content"] for m in tool_results] == ["15 C", "15 C"]

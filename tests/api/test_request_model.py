@@ -3,8 +3,7 @@
 refuse the same bad input with the same status, never 500, each in its own
 protocol's error shape; every POST body must be JSON (415) and shallow (at
 most MAX_DEPTH levels); the served model is checked on all three; what the
-server cannot honour (Responses' tool_choice none with tools, a hosted tool
-choice) is refused rather than dropped by the conversion (/v1/messages honours
+server cannot honour (a hosted tool choice) is refused rather than dropped by the conversion (/v1/messages honours
 tool_choice none by leaving the tools out of the prompt; what it constrains:
 test_constrained_routes.py).
 
@@ -246,9 +245,6 @@ def test_answering_as_the_provider_takes_its_model_names(live, protocol, path, o
 
 
 @pytest.mark.parametrize("route, field, value, message", [
-    # none with tools: Messages leaves the tools out of the prompt; Responses cannot, so says so.
-    ("responses", "tool_choice", "none", 'tool_choice "none" with tools is not supported by this server; leave the '
-                                         'tools out'),
     ("responses", "tool_choice", {"type": "mcp", "server_label": "x"},
      'tool_choice {"type": "mcp", "server_label": "x"} is not supported: expected "auto", "none", "required" or a '
      'function tool'),
