@@ -72,6 +72,7 @@ class Guard:
 
             self.matcher = xgr.GrammarMatcher(compiled)
             self.bitmask = xgr.allocate_token_bitmask(1, vocab)
+        self.refused = 0  # tokens the mask admitted and the grammar refused (accept)
         self.think_end = sampling.think_end  # None once the reasoning block has ended
         self.think_left = sampling.think_budget
         self.stop_ids = sorted(i for i in sampling.stop_token_ids if 0 <= i < vocab)
@@ -102,16 +103,22 @@ class Guard:
         xgr.apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=self.vocab)
         return masked[0].to(logits.device)
 
-    def accept(self, token: int) -> None:
+    def accept(self, token: int) -> bool:
+        """Move on past `token`; False (and nothing moved) when the grammar
+        refuses it although its mask admitted it: xgrammar 0.2.7's mask admits
+        now and then a token that runs through the end of a free-text region
+        (`any_text` with excludes), which accepting it then refuses. The
+        caller draws again without it."""
         if self.think_end is not None:
             if token == self.think_end:
                 self.think_end = None  # the grammar starts with the next token
             elif self.think_left is not None:
                 self.think_left -= 1
-            return
+            return True
         if self.matcher is not None and not self.matcher.accept_token(token):
-            raise RuntimeError(f"the grammar refused token {token} that its own mask admitted "
-                               f"(terminated: {self.matcher.is_terminated()})")
+            self.refused += 1
+            return False
+        return True
 
     def stop_matched(self, output: Sequence[int]) -> Optional[str]:
         """The stop sequence the output's newest text completes, if any."""

@@ -31,6 +31,10 @@ from session_runtime.metrics import Sample, counter, gauge
 from session_runtime.model.decoder import Decoder
 from session_runtime.sampling import Sampler, token_logprob, top_logprobs
 
+# Tokens a step's grammar may refuse after its mask admitted them (Guard.accept)
+# before the step fails: a few in a step are xgrammar's, more a bug of ours.
+_MAX_REFUSED = 32
+
 
 class _SlotBuffer:
     """Slots a running step uses: the reused prefix (the tree's pages, then the
@@ -328,8 +332,12 @@ class Engine(HostTierOps, Backend):
                 if guard is not None:
                     last = guard.mask(last)
                 tok = sampler.sample(last)
-                if guard is not None:
-                    guard.accept(tok)
+                while guard is not None and not guard.accept(tok):  # admitted, then refused: drawn again without it
+                    if guard.refused > _MAX_REFUSED:
+                        raise RuntimeError(f"the grammar refused {guard.refused} tokens its mask admitted")
+                    last = last.clone()
+                    last[tok] = float("-inf")
+                    tok = sampler.sample(last)
                 if sp.logprobs:
                     logprobs.append(token_logprob(last, tok))
                 if sp.top_logprobs:
