@@ -63,9 +63,11 @@ class Guard:
     """One step's constraint. While the output is inside the reasoning block
     (`sampling.think_end` set) the Guard itself keeps the stop tokens out and
     brings the end token at the budget; the grammar (xgrammar) starts after
-    it. xgrammar could follow the block too (`any_tokens` with a budget), but
-    a grammar whose later parts hold tags takes it about 0.2 s a token there
-    (xgrammar 0.2.7, a 129k vocabulary), against microseconds after it."""
+    it. xgrammar could follow the block too (`any_tokens` with a budget, as
+    SGLang does with `grammar.whole_tag`), but a grammar whose later parts hold
+    free text (`any_text`, `tag`) takes about 0.2 s a token there (xgrammar
+    0.2.7, a 129k vocabulary; our grammars avoid those now), and the mask of
+    a free region costs a step's time for nothing."""
 
     def __init__(self, compiled, vocab: int, stops: Sequence[str], tokenizer,
                  sampling: SamplingParams = SamplingParams()):
