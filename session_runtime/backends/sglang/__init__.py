@@ -40,6 +40,35 @@ def model_folder(config, tokenizer) -> Path:
     return folder
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def tokenizer_folder(config, tokenizer, folder: Path) -> Path:
+    """Where the launched server reads its tokenizer (its grammar backend,
+    xgrammar, indexes the vocabulary; its stop-string matching decodes): the
+    model folder when it has one, else the runtime's own tokenizer written
+    once beside the presets' weights, its end token the default template's
+    (what xgrammar admits after a grammar ends when the model's config names
+    no eos)."""
+    if any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return folder
+    from session_runtime.templates import build_template
+
+    base = Path(config.data_dir) / "models" if config.data_dir else Path.home() / ".cache" / "session-runtime" / "models"
+    out = base / "tokenizers" / tokenizer.digest[:16]
+    if not (out / "tokenizer_config.json").is_file():
+        template = "deepseek" if config.template == "auto" else config.template
+        stop = build_template(template, tokenizer, config.model).stop_token_ids
+        eos = tokenizer.inner.id_to_token(min(stop)) if stop else None
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tokenizer.json").write_text(tokenizer.inner.to_str())
+        tmp = out / "tokenizer_config.json.tmp"  # written last, whole: its presence says the folder is complete
+        tmp.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                                   "model_max_length": config.max_context}))
+        tmp.replace(out / "tokenizer_config.json")
+    return out
+
+
 def _kv_shape(folder: Path, dtype: str) -> tuple[int, int]:
     """(bytes of KV per token, vocabulary size) from the folder's config.json:
     a K and a V per layer, or with DeepSeek's MLA one latent of kv_lora_rank +
@@ -133,6 +162,7 @@ def _worker(config, tokenizer, url, index: int, threads: Optional[int] = None) -
             max_running_requests=config.sglang_max_running, seed=config.seed, extra_args=tuple(config.sglang_args),
             log_path=str(Path(config.data_dir) / log) if config.data_dir else None, threads=threads,
             tp_size=config.tp_size, api_key=config.sglang_key,
+            tokenizer_path=str(tokenizer_folder(config, tokenizer, folder)),
         )
         try:
             server = launch(spec, _ready)

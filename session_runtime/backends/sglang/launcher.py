@@ -48,11 +48,16 @@ class LaunchSpec:
     threads: Optional[int] = None
     tp_size: int = 1  # tensor-parallel ranks (on cpu each is bound to its share of the cores)
     api_key: Optional[str] = None  # SGLang's --api-key: every request (commands too) must carry it
+    # The server's tokenizer (constrained output: its grammar backend and stop strings);
+    # None: --skip-tokenizer-init, and the runtime refuses constraints on it.
+    tokenizer_path: Optional[str] = None
 
     def argv(self, port: int) -> list[str]:
         return [
             sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path, "--skip-tokenizer-init",
+            "--model-path", self.model_path,
+            *(["--tokenizer-path", self.tokenizer_path, "--grammar-backend", "xgrammar"] if self.tokenizer_path
+              else ["--skip-tokenizer-init"]),
             "--host", self.host, "--port", str(port),
             "--device", self.device, "--dtype", self.dtype,
             "--page-size", str(self.page_size), "--max-total-tokens", str(self.max_total_tokens),
