@@ -87,7 +87,9 @@ def test_the_preset_is_served_by_sglang(served):
     proc, client, data = served
     models = list((data / "models").iterdir())
     assert [m.name for m in models] == ["tiny-seed0-v129280"]
-    assert {p.name for p in models[0].iterdir()} == {"config.json", "model.safetensors"}
+    # Its random weights, and the runtime's tokenizer for the server's grammar backend.
+    assert {p.name for p in models[0].iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                                      "tokenizer_config.json"}
     assert len(_sglang_children(proc.pid)) >= 1
     assert "SGLang server at http://127.0.0.1:" in (data / "runtime.log").read_text()
 

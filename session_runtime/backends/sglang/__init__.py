@@ -47,15 +47,16 @@ def tokenizer_folder(config, tokenizer, folder: Path) -> Path:
     """Where the launched server reads its tokenizer (its grammar backend,
     xgrammar, indexes the vocabulary; its stop-string matching decodes): the
     model folder when it has one, else the runtime's own tokenizer written
-    once beside the presets' weights, its end token the default template's
-    (what xgrammar admits after a grammar ends when the model's config names
-    no eos)."""
-    if any((folder / name).is_file() for name in _TOKENIZER_FILES):
-        return folder
+    once, into a preset's folder (ours) or beside the presets' folders, its
+    end token the default template's (what xgrammar admits after a grammar
+    ends when the model's config names no eos)."""
+    from session_runtime.config import PRESETS
     from session_runtime.templates import build_template
 
+    if any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return folder
     base = Path(config.data_dir) / "models" if config.data_dir else Path.home() / ".cache" / "session-runtime" / "models"
-    out = base / "tokenizers" / tokenizer.digest[:16]
+    out = folder if config.model in PRESETS else base / "tokenizers" / tokenizer.digest
     if not (out / "tokenizer_config.json").is_file():
         template = "deepseek" if config.template == "auto" else config.template
         stop = build_template(template, tokenizer, config.model).stop_token_ids
