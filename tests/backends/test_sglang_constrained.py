@@ -75,3 +75,35 @@ def test_a_stop_sequence_ends_the_output(runtime, request):
         assert stop not in step.reasoning + step.content
     finally:
         rt.delete_conversation(cid)
+
+
+def test_random_schemas_agree_on_both_backends(sglang_runtime, embedded_twin):
+    """For random bounded schemas (tests/session_runtime/test_constrained.py),
+    greedy: SGLang's grammar backend and the embedded engine's mask give the
+    same call and the same answer, token for token, and both validate."""
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.session_runtime.test_constrained import SCHEMAS
+
+    @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(schema=SCHEMAS)
+    def check(schema):
+        tool = {"type": "function", "function": {"name": "probe", "parameters": schema}}
+        outputs = []
+        for rt in (sglang_runtime, embedded_twin):
+            cid = rt.create_conversation("Call the tool.", tools=[tool])
+            try:
+                first = rt.send_message(cid, "Go.", max_tokens=200,
+                                        constraint=OutputConstraint(call=True, think_budget=8))
+                (call,) = first.tool_calls
+                jsonschema.validate(call["arguments"], schema)
+                second = rt.send_tool_results(cid, [{"tool_call_id": call["id"], "content": "done"}], max_tokens=200,
+                                              constraint=OutputConstraint(answer_schema=json.dumps(schema),
+                                                                          no_call=True, think_budget=8))
+                jsonschema.validate(json.loads(second.content), schema)
+                outputs.append((first.output_ids, second.output_ids))
+            finally:
+                rt.delete_conversation(cid)
+        assert outputs[0] == outputs[1]
+
+    check()
