@@ -182,10 +182,11 @@ def strict_check(schema: dict, name: str, field: str) -> None:
         if not isinstance(node, dict):
             return
         if node.get("type") == "object" or "properties" in node:
-            props = node.get("properties") or {}
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            required = node.get("required") if isinstance(node.get("required"), list) else []
             if node.get("additionalProperties") is not False:
                 refuse(str(where), "'additionalProperties' is required to be supplied and to be false")
-            missing = [p for p in props if p not in (node.get("required") or [])]
+            missing = [p for p in props if p not in required]
             if missing:
                 refuse(str(where), f"'required' is required to be supplied and to be an array including every "
                                    f"key in properties. Missing '{missing[0]}'")
