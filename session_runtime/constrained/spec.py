@@ -19,10 +19,12 @@ EFFORT_SHARE = {"none": 0.0, "minimal": 0.0, "low": 0.25}
 @dataclass(frozen=True)
 class OutputConstraint:
     """`call`: the step must call a tool, one of `tools` (a named tool choice
-    is one; none named: any tool of the conversation); `answer_schema`: the
-    answer is JSON text that this JSON schema (JSON text) accepts (JSON mode:
-    `{"type": "object"}`); `stop`: the output ends where one of these strings
-    appears. `*_field` names each part's field in the request, for errors."""
+    is one; none named: any tool of the conversation); `no_call`: it must not;
+    `answer_schema`: the answer is JSON text that this JSON schema (JSON text)
+    accepts (JSON mode: `{"type": "object"}`; with tools and neither, a call
+    is the other choice); `stop`: the output ends where one of these strings
+    appears; `think_budget` / `effort`: the reasoning's bound. `*_field` names
+    each part's field in the request, for errors."""
 
     call: bool = False
     no_call: bool = False  # tool_choice none with tools: the step answers, the tools stay in the prompt
