@@ -43,9 +43,11 @@ def _wait(predicate, timeout: float, what: str, proc=None):
 
 
 def _sglang_children(pid: int) -> list[psutil.Process]:
-    """The launched SGLang servers under the runtime (zombies left out)."""
+    """The launched SGLang servers under the runtime (zombies left out): its
+    own children, not their processes (with a tokenizer, others of SGLang's
+    processes carry the server's command line too, listed in no set order)."""
     out = []
-    for p in psutil.Process(pid).children(recursive=True):
+    for p in psutil.Process(pid).children(recursive=False):
         try:
             if "sglang.launch_server" in " ".join(p.cmdline()):
                 out.append(p)
