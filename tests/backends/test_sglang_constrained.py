@@ -14,13 +14,7 @@ import pytest
 
 from session_runtime.constrained.spec import OutputConstraint
 
-TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                     "days": {"type": "integer", "minimum": 1, "maximum": 9},
-                                     "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "days", "unit"], "additionalProperties": False}}}
-ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
-          "required": ["ok", "n"], "additionalProperties": False}
+from tests.session_runtime.test_constrained import ANSWER, TOOL  # the embedded engine's test's schemas
 
 
 def _run(rt, constraint: OutputConstraint, max_tokens: int = 160):

@@ -31,13 +31,18 @@ def model_folder(config, tokenizer) -> Path:
     if config.model in PRESETS:
         from session_runtime.model.export import export_preset
 
-        base = Path(config.data_dir) / "models" if config.data_dir else Path.home() / ".cache" / "session-runtime" / "models"
-        return export_preset(config.model, config.seed, base, min_vocab=tokenizer.vocab_size)
+        return export_preset(config.model, config.seed, _models(config), min_vocab=tokenizer.vocab_size)
     folder = Path(config.model)
     if not (folder / "config.json").is_file():
         raise InvalidRequest(f"--model {config.model!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
                              "folder with config.json")
     return folder
+
+
+def _models(config) -> Path:
+    """Where the folders the runtime writes for SGLang go: under the data
+    directory, or the user's cache when conversations are kept in memory."""
+    return Path(config.data_dir) / "models" if config.data_dir else Path.home() / ".cache" / "session-runtime" / "models"
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -48,18 +53,17 @@ def tokenizer_folder(config, tokenizer, folder: Path) -> Path:
     xgrammar, indexes the vocabulary; its stop-string matching decodes): the
     model folder when it has one, else the runtime's own tokenizer written
     once, into a preset's folder (ours) or beside the presets' folders, its
-    end token the default template's (what xgrammar admits after a grammar
-    ends when the model's config names no eos)."""
+    end token the default template's (`config.template`, resolved by the
+    Runtime: what xgrammar admits after a grammar ends when the model's config
+    names no eos)."""
     from session_runtime.config import PRESETS
     from session_runtime.templates import build_template
 
     if any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return folder
-    base = Path(config.data_dir) / "models" if config.data_dir else Path.home() / ".cache" / "session-runtime" / "models"
-    out = folder if config.model in PRESETS else base / "tokenizers" / tokenizer.digest
+    out = folder if config.model in PRESETS else _models(config) / "tokenizers" / tokenizer.digest
     if not (out / "tokenizer_config.json").is_file():
-        template = "deepseek" if config.template == "auto" else config.template
-        stop = build_template(template, tokenizer, config.model).stop_token_ids
+        stop = build_template(config.template, tokenizer, config.model).stop_token_ids
         eos = tokenizer.inner.id_to_token(min(stop)) if stop else None
         out.mkdir(parents=True, exist_ok=True)
         (out / "tokenizer.json").write_text(tokenizer.inner.to_str())
