@@ -136,8 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bytes of one conversation's tools, as JSON (0: no limit)")
     serve.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of random preset weights")
     serve.add_argument("--policy", default=_DEFAULTS.policy,
-                       choices=["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"],
-                       help="default reasoning policy of new conversations")
+                       choices=["keep", "drop", "keep_last_k", "auto", "engine_default", "strip_thinking_cache"],
+                       help="default reasoning policy of new conversations (auto: each turn keeps or drops its "
+                            "reasoning by what each costs, priced as the replay's verdict prices it)")
+    serve.add_argument("--cost-model", default=None, metavar="NAME",
+                       help="policy auto: the model shape its choices are priced for, a preset or a local folder "
+                            "with config.json (default: --model)")
+    serve.add_argument("--kv-price", type=float, default=None, metavar="FLOPS",
+                       help="policy auto: what holding one KV token for one second costs, in FLOPs (default: "
+                            "the replay's, one H100-second of compute against its 80 GB of HBM for a second)")
     serve.add_argument("--template", default=_DEFAULTS.template, choices=["auto", "deepseek", "qwen3", "hf"],
                        help="hf: the model folder's own chat template; auto: a built-in template for a folder whose "
                             "chat template is its official one, hf for any other, else qwen3 for Qwen's tokenizer, "
@@ -216,7 +223,8 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         model=args.model, device=args.device, dtype=args.dtype, attention=args.attention, page_size=args.page_size,
         pool_tokens=args.pool_tokens, max_context=args.max_context, max_tokens_limit=args.max_tokens_limit,
         seed=args.seed,
-        policy=args.policy, template=args.template, data_dir=args.data_dir or None, store=args.store,
+        policy=args.policy, cost_model=args.cost_model, kv_price=args.kv_price,
+        template=args.template, data_dir=args.data_dir or None, store=args.store,
         advertise_url=_advertised(args) if args.store else None, member_ttl_s=args.member_ttl_s,
         host_pool_tokens=args.host_pool_tokens, offload=args.offload, idle_ttl_s=args.idle_ttl_s,
         backend="upstream" if upstream else args.backend, sglang_url=args.sglang_url, sglang_args=tuple(_split_args(args.sglang_arg)),

@@ -130,6 +130,13 @@ class RuntimeConfig:
     prefill_chunk: int = 2048  # tokens per prefill forward (bounds attention memory)
     seed: int = 0
     policy: str = "drop"  # default reasoning policy of new conversations
+    # Policy auto prices each turn's choice as the replay's verdict does
+    # (replay/economics.py): for this model shape (a preset or a folder with
+    # config.json; None: `model`'s), in this element type, with a KV
+    # token-second worth `kv_price` FLOPs (None: economics' default price).
+    cost_model: Optional[str] = None
+    cost_dtype: str = "bfloat16"
+    kv_price: Optional[float] = None
     # Default chat template of new conversations: deepseek, qwen3, or auto (qwen3
     # when a model folder's tokenizer is Qwen's, deepseek otherwise).
     template: str = "auto"
@@ -228,6 +235,8 @@ class RuntimeConfig:
             raise ValueError(f"request_deadline_s must be >= 0, got {self.request_deadline_s}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.kv_price is not None and not self.kv_price >= 0:
+            raise ValueError(f"kv_price must be >= 0 FLOPs per KV token-second, got {self.kv_price}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ATTENTION_BACKENDS:

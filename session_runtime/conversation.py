@@ -66,6 +66,10 @@ class TurnRecord:
     materialized_at: Optional[float] = None  # when its canonical branch was built (epoch seconds)
     dropped_tokens: int = 0  # the generated branch past the fork that the closed history does not have
     branch_freed: bool = False  # that branch was freed at the close (else left to LRU)
+    # Policy auto: what it chose for this turn's reasoning and the costs it
+    # compared (AutoChoice.as_dict); written at the close, changed only to drop
+    # once the chain is gone anyway (a later turn's record says so).
+    auto: Optional[dict] = None
 
     def canonical_built(self, prefill_tokens: int) -> None:
         self.materialized_prefill_tokens = prefill_tokens
@@ -83,7 +87,7 @@ class TurnRecord:
             "counterfactual": self.counterfactual, "fork_tokens": self.fork_tokens,
             "materialize": self.materialize, "materialized_prefill_tokens": self.materialized_prefill_tokens,
             "materialized_at": self.materialized_at, "dropped_tokens": self.dropped_tokens,
-            "branch_freed": self.branch_freed,
+            "branch_freed": self.branch_freed, "auto": self.auto,
             "totals": self.totals(), "steps": [dataclasses.asdict(s) for s in self.steps],
         }
 
@@ -161,6 +165,14 @@ class Conversation:
     def trace_messages(self) -> list[Message]:
         """The trace's messages, gathered in C (a step asks for them at every length)."""
         return list(map(_message, self.trace))
+
+    def kept_reasoning(self, closed: Optional[int] = None):
+        """Which turns keep their reasoning once `closed` turns have closed
+        (default: as now): the policy's rule, with auto's choices."""
+        closed = self.closed_turns if closed is None else closed
+        chosen = frozenset(t.index for t in self.turns if t.index < closed and t.auto is not None
+                           and t.auto["choice"] == "keep") if self.policy.name == "auto" else frozenset()
+        return self.policy.kept_turns(closed, chosen)
 
     @property
     def closed_turns(self) -> int:

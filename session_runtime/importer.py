@@ -134,7 +134,7 @@ def adopt(conv: Conversation, tpl: Template, messages: Sequence[Message]) -> Non
     conv.trace = [TraceEntry(m) for m in messages]
     conv.turns = [TurnRecord(index=t, closed=t != open_turn) for t in turns]
     closed = sum(1 for t in conv.turns if t.closed)
-    keep = conv.policy.kept_turns(closed)
+    keep = conv.kept_reasoning(closed)
     conv.history = [tpl.strip_reasoning(m) if m.role == "assistant" and not keep(m.turn) and m.reasoning else m
                     for m in messages]
     # Each turn's first prompt, as it would have rendered then: the seed's |P|,
@@ -144,7 +144,7 @@ def adopt(conv: Conversation, tpl: Template, messages: Sequence[Message]) -> Non
         before = [m if keep_then(record.index, m, conv, tpl) else tpl.strip_reasoning(m) for m in messages[:first_user]]
         record.first_prompt_tokens = len(
             tpl.render(conv.system, conv.tools, before + [messages[first_user]],
-                       conv.policy.kept_turns(record.index), True).ids)
+                       conv.kept_reasoning(record.index), True).ids)
     conv.protocol = None
     if open_turn is not None:
         generated = tuple(i for m in messages if m.turn == open_turn and m.role == "assistant" for i in m.output_ids)
@@ -155,4 +155,4 @@ def adopt(conv: Conversation, tpl: Template, messages: Sequence[Message]) -> Non
 
 def keep_then(turn: int, msg: Message, conv: Conversation, tpl: Template) -> bool:
     """Did `msg` keep its reasoning when turn `turn` opened?"""
-    return msg.role != "assistant" or not msg.reasoning or conv.policy.kept_turns(turn)(msg.turn)
+    return msg.role != "assistant" or not msg.reasoning or conv.kept_reasoning(turn)(msg.turn)

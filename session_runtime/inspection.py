@@ -46,7 +46,7 @@ class RuntimeInspection:
             # (the generated sequence inside an open turn; after a close, the fork
             # and, once materialized, the canonical branch). The generated
             # sequence itself is the trace's.
-            keep = conv.policy.kept_turns(conv.closed_turns)
+            keep = conv.kept_reasoning()
             canonical = self.template(conv.template).render(conv.system, conv.tools, conv.history, keep, False).ids
             out["chain"]["token_ids"] = canonical[: chain_len or 0]
             out["chain"]["sequence_token_ids"] = list(conv.chain_tokens)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from session_runtime.errors import InvalidRequest
-from session_runtime.templates.base import KeepFrom, KeepReasoning
+from session_runtime.templates.base import KeepFrom, KeepReasoning, keep_chosen
 
-POLICIES = ("keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache")
+POLICIES = ("keep", "drop", "keep_last_k", "auto", "engine_default", "strip_thinking_cache")
 MATERIALIZE_MODES = ("auto", "always", "never")
 
 
@@ -18,6 +18,9 @@ class ReasoningPolicy:
     - keep: every turn's reasoning is replayed; the chain is the generated sequence.
     - drop: closed turns lose their reasoning; the open tool chain keeps it.
     - keep_last_k: only the last k closed turns keep their reasoning.
+    - auto: each turn's close keeps or drops its reasoning by what each costs
+      over the conversation's expected rest (auto_policy.py); the choice is
+      written on the turn and never flips, unless the chain is gone anyway.
     - engine_default (baseline, today's SGLang): the template drops reasoning, no
       conversation holds a lock, the generated branch is left to LRU.
     - strip_thinking_cache (baseline, SGLang's flag): as engine_default, and a
@@ -33,10 +36,12 @@ class ReasoningPolicy:
         if self.keep_last_k < 0:
             raise InvalidRequest(f"keep_last_k must be >= 0, got {self.keep_last_k}")
 
-    def kept_turns(self, closed_turns: int) -> KeepReasoning:
+    def kept_turns(self, closed_turns: int, chosen: frozenset = frozenset()) -> KeepReasoning:
         """Which turns keep reasoning once `closed_turns` turns have closed. The
         open turn (index closed_turns) always keeps it: the tool chain continues
-        exactly."""
+        exactly. `chosen`: under auto, the closed turns it chose to keep."""
+        if self.name == "auto":
+            return keep_chosen(chosen, closed_turns)
         if self.name == "keep":
             return KeepFrom(float("-inf"))
         if self.name == "keep_last_k":
@@ -54,7 +59,7 @@ class ReasoningPolicy:
 
     @property
     def may_materialize(self) -> bool:
-        return self.name in ("drop", "keep_last_k")
+        return self.name in ("drop", "keep_last_k", "auto")
 
 
 @dataclass(frozen=True)

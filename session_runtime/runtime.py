@@ -23,6 +23,7 @@ from session_runtime.conversation import Conversation
 from session_runtime.backends.base import Cancellation, create_backend
 from session_runtime.errors import (BackendUnavailable, StorageUnavailable, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
+from session_runtime.auto_policy import AutoPolicy
 from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
@@ -72,6 +73,10 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         self._stopping = False
         self.sessions = SessionIndex(self.config.session_idle_ttl_s)  # inferred conversations (inference.py)
         self.stateless = StatelessSteps(self, self.sessions)  # stateless requests' way in (stateless.py)
+        c = self.config
+        self.auto = AutoPolicy(c.cost_model or c.model, c.cost_dtype, c.prefill_chunk, c.kv_price)
+        if c.policy == "auto":
+            self.auto.cost  # fail at start, not on the first turn's close
         self.template(self.config.template)  # fail at start, not on the first request
         self._open_store()
 
@@ -181,6 +186,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                                  "has none: use offload 'never'")
         if conversation_id is not None and (not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 128):
             raise InvalidRequest("conversation_id must be a string of 1 to 128 characters")
+        if (policy or self.config.policy) == "auto" and self.backend.holds_kv:
+            self.auto.cost  # the model's shape prices its turns: InvalidRequest where none is known
         conv = Conversation(
             id=conversation_id or self._new_id(), system=system or None, tools=tools,
             tenant=tenant or None, template=template,
@@ -322,7 +329,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
     def _derived_history(self, conv: Conversation, cleared: Cleared) -> list[Message]:
         """The canonical history of `conv`'s trace under its policy, with `cleared` tool uses cleared."""
         tpl = self.template(conv.template)
-        keep = conv.policy.kept_turns(conv.closed_turns)
+        keep = conv.kept_reasoning()
         return [m if m.role != "assistant" or keep(m.turn) or not m.reasoning else tpl.strip_reasoning(m)
                 for m in tool_clearing.apply(tpl, conv.trace_messages(), cleared)]
 
@@ -372,6 +379,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                     raise StorageUnavailable(f"the delete could not be saved, so it did not happen: {exc}") from exc
             self._unstored.delete(conv.id)
             self.sessions.forget(conv.id)
+            if conv.turns:  # how long conversations last: policy auto expects the rest of the others by it
+                self.auto.outlooks.ended(conv.id, conv.tenant, conv.closed_turns)
             self.materializer.cancel(conv.id)
             self.offload.forget(conv.id)
             with self._lock:
@@ -509,7 +518,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         with self._locked(conversation_id) as conv:
             new = self._user_message(conv, content) if content is not None else \
                 self._result_messages(conv, request.tool_results())
-            keep = conv.policy.kept_turns(conv.closed_turns)
+            keep = conv.kept_reasoning()
             history = conv.history if cleared is None or cleared == conv.cleared else \
                 self._derived_history(conv, cleared)
             return self.template(conv.template).rendered_length(conv.system, conv.tools, history + new, keep, True)

@@ -14,9 +14,11 @@ from itertools import compress
 from typing import Callable, Optional
 
 from radix_ext.tree import ProbeResult
+from session_runtime.auto_policy import AutoChoice, TurnShape
 from session_runtime.constrained import grammar
 from session_runtime.constrained.spec import NONE as NO_CONSTRAINT, OutputConstraint, cut_at_stop
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
+from session_runtime.policies import MaterializeSettings
 from session_runtime.backends.base import Cancellation, ChainState, StepRequest, StepResult, Transcript
 from session_runtime.errors import BackendUnavailable, InvalidRequest, ShuttingDown, StorageUnavailable
 from session_runtime.sampling import SamplingParams
@@ -97,15 +99,18 @@ class StepPath:
             if job is not None and job.state == "done" and conv.turns:
                 conv.turns[-1].canonical_built(job.prefill_tokens)
                 conv.canonical_kind = "canonical"
-            keep = conv.policy.kept_turns(conv.closed_turns)
-            rendered = tpl.render(conv.system, conv.tools, conv.history + new, keep, True)
+            # Policy auto: kept reasoning the chain no longer holds is dropped at no cost in reuse.
+            redrop = self._auto_redrop(conv, tpl) if first and conv.policy.name == "auto" else None
+            keep = redrop.keep if redrop is not None else conv.kept_reasoning()
+            history = redrop.history if redrop is not None else conv.history
+            rendered = tpl.render(conv.system, conv.tools, history + new, keep, True)
             # A budget past the context's end is what remains of it (the answer then ends on length).
             remaining = max(self.context_limit - len(rendered.ids), 0)
             if sampling.max_tokens > remaining and forced is None:
                 sampling = dataclasses.replace(sampling, max_tokens=remaining)
             if constraint.needs_grammar and forced is None:
                 sampling = self._grammar(conv, tpl, rendered, sampling, constraint)
-            history_len = tpl.rendered_length(conv.system, conv.tools, conv.history, keep, False) if conv.history else 0
+            history_len = tpl.rendered_length(conv.system, conv.tools, history, keep, False) if history else 0
             # No KV here in upstream mode: nothing local to weigh keep against drop by.
             probe_prompts = self._counterfactual_prompts(conv, tpl, new) \
                 if first and not self.backend.wants_transcript else None
@@ -151,11 +156,13 @@ class StepPath:
             conv.__dict__.update(before.__dict__)
 
         try:
+            if redrop is not None:
+                self._apply_redrop(conv, redrop, new[0].turn)
             known = self._known_before(conv, worker)
             # The system prompt and tools are history too, for the reasons (first_seen).
             before_new = history_len if conv.history else tpl.rendered_length(conv.system, conv.tools, [], keep, False)
             step = self._commit(conv, tpl, ns, new, turn, rendered.ids, result, counterfactual,
-                                before_new, known)
+                                before_new, known, redrop)
         except BaseException:
             undo()
             raise
@@ -211,7 +218,7 @@ class StepPath:
         return known
 
     def _commit(self, conv, tpl, ns, new, turn, prompt, result: StepResult, counterfactual,
-                history_len: int, known: Known) -> Step:
+                history_len: int, known: Known, redrop: Optional["_Redrop"] = None) -> Step:
         """Record a successful step in every layer, then close the turn if it ended."""
         step_index = 0 if new[0].role == "user" else len(conv.turns[-1].steps)
         parsed = tpl.parse_output(result.output, f"{conv.call_prefix}_{turn}_{step_index}")
@@ -230,11 +237,14 @@ class StepPath:
                 prompt, history_len, acc.uncached_prefill_tokens, acc.alignment_loss_tokens, known))
         if conv.rules is not None:
             acc = dataclasses.replace(acc, rules=conv.rules)
+        if redrop is not None:  # the accounting names what auto dropped before this step's prompt
+            acc = dataclasses.replace(acc, rules={**(acc.rules or {}), "auto": redrop.rule()})
         # What the next step will know: this sequence was computed; history past it
         # that is not the next step's input was rewritten by the policy.
         conv.known = Known(sequence=result.sequence, diverged="policy_fork",
                            kept=None if conv.policy.caches_output else len(prompt))
         if new[0].role == "user":
+            self.auto.outlooks.turn_opened(conv.id, conv.tenant, conv.closed_turns)
             prev = conv.turns[-1] if conv.turns else None
             state = turn_rules.cache_state((acc.cached_input_tokens or 0) + acc.host_loaded_tokens,
                                            prev.first_prompt_tokens if prev else None, conv.canonical_kind)
@@ -276,7 +286,13 @@ class StepPath:
         step's own answer reported it, if it did."""
         record.closed = True
         self.backend.drop_host_copy(conv.id)  # the tool chain's copy will not be reloaded
-        keep = conv.policy.kept_turns(conv.closed_turns)
+        settings = conv.materialize
+        if conv.policy.name == "auto" and self.backend.holds_kv:
+            reported = chain  # the step's own report of the pool, where it made one
+            choice, settings = self._auto_close(conv, tpl, record, generated, acc, (lambda: reported.free_fraction)
+                                                if reported is not None else self.backend.free_fraction)
+            record.auto = choice.as_dict()
+        keep = conv.kept_reasoning()
         conv.history = _without_reasoning(tpl, conv.history, keep)
         canonical = tpl.render(conv.system, conv.tools, conv.history, keep, False).ids
         fork = turn_rules.common_prefix(generated, canonical)
@@ -307,7 +323,7 @@ class StepPath:
                 record.materialize = f"skipped: the chain's worker is gone ({exc})"
         free = (lambda: chain.free_fraction) if chain is not None else self.backend.free_fraction
         if forks and conv.policy.may_materialize:
-            materialize, why = conv.materialize.decide(
+            materialize, why = settings.decide(
                 reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
                 answer_tokens=len(canonical) - fork,
                 free_fraction=free,
@@ -322,6 +338,84 @@ class StepPath:
         if not self.backend.wants_transcript:  # upstream mode has no KV to weigh keep against drop by
             self._shadow(conv, tpl, record, materialize if conv.policy.name == "drop" else None, unfed, free)
         return self._chain_bytes(conv, acc, chain)
+
+    def _auto_redrop(self, conv: Conversation, tpl: Template) -> Optional["_Redrop"]:
+        """Policy auto at a turn's first step: the closed turns it kept whose
+        reasoning the chain no longer holds (evicted, a restart, a dead worker,
+        released), since it would be prefilled again anyway, dropped where the
+        model says it pays (it does whenever there is reasoning to drop).
+        None: nothing to drop. Changes no layer."""
+        closed = conv.closed_turns
+        kept = [t.index for t in conv.turns if t.closed and t.auto is not None and t.auto["choice"] == "keep"]
+        if not kept or not self.backend.holds_kv:
+            return None
+        try:
+            device = self.backend.peek_chain_tokens(conv.id)
+            bpt = self.backend.bytes_per_token
+            held = (device or 0) + (self.backend.host_bytes(conv.id) // bpt if bpt else 0)
+        except BackendUnavailable:
+            return None
+        if device is None:  # not known yet: nothing is decided on a guess
+            return None
+        keep, history = conv.kept_reasoning(), conv.history
+        first_output = {}
+        for i, m in enumerate(history):
+            if m.role == "assistant":
+                first_output.setdefault(m.turn, i)
+        gone = tuple(t for t in kept if t in first_output and
+                     tpl.rendered_length(conv.system, conv.tools, history[:first_output[t]], keep, True) >= held)
+        if not gone:
+            return None
+        after = conv.policy.kept_turns(closed, frozenset(kept) - set(gone))
+        dropped = _without_reasoning(tpl, history, after)
+        now = tpl.rendered_length(conv.system, conv.tools, history, keep, False)
+        then = tpl.rendered_length(conv.system, conv.tools, dropped, after, False)
+        last = conv.turns[-1].steps if conv.turns else []
+        computed = sum((s.uncached_prefill_tokens or 0) + s.output_tokens for s in last)
+        rest = self.auto.outlooks.outlook(conv.id, conv.tenant, closed + 1, 0.0, computed)
+        # The turn is here: its tokens and the rest's see the reasoning kept, and it is prefilled now.
+        outlook = dataclasses.replace(rest, next_turn=1.0, turns=1.0 + rest.turns)
+        choice = self.auto.choose(TurnShape(reasoning=now - then, tail=0, fork=min(held, then)), outlook,
+                                  reason="not_resident")
+        return _Redrop(gone, dropped, after, choice) if choice.choice == "drop" else None
+
+    def _apply_redrop(self, conv: Conversation, redrop: "_Redrop", turn: int) -> None:
+        """Write what `_auto_redrop` found into the history and each turn's record
+        (replaced, so that the store writes them again)."""
+        conv.history = redrop.history
+        for k, record in enumerate(conv.turns):
+            if record.index in redrop.turns:
+                conv.turns[k] = dataclasses.replace(record, auto={**redrop.choice.as_dict(), "decided_at_turn": turn,
+                                                                  "kept_at_close": record.auto})
+
+    def _auto_close(self, conv: Conversation, tpl: Template, record: TurnRecord, generated: list[int], acc,
+                    free_fraction) -> tuple[AutoChoice, "MaterializeSettings"]:
+        """Policy auto at the close of `record`'s turn (closed, no choice yet, so
+        dropped by `kept_reasoning`): the turn's shape from the history
+        rendered with its reasoning dropped against the generated sequence,
+        the conversation's outlook, the choice; and the materialize settings
+        with the outlook's chance of another turn, which decide the canonical
+        branch if it drops (and whether dropping would build it, for the
+        choice). Changes no layer."""
+        dropped = conv.kept_reasoning()
+        drop_ids = tpl.render(conv.system, conv.tools, _without_reasoning(tpl, conv.history, dropped), dropped,
+                              False).ids
+        fork = turn_rules.common_prefix(generated, drop_ids)
+        shape = TurnShape(reasoning=len(generated) - len(drop_ids), tail=len(drop_ids) - fork, fork=fork)
+        computed = sum((s.uncached_prefill_tokens or 0) + s.output_tokens for s in [*record.steps, acc])
+        outlooks = self.auto.outlooks
+        outlooks.turn_closed(conv.id, conv.tenant, computed)
+        if shape.reasoning <= 0:  # nothing to drop: the pool is not asked
+            return self.auto.choose(shape, outlooks.outlook(conv.id, conv.tenant, conv.closed_turns, 1.0, computed)), \
+                conv.materialize
+        free = free_fraction()
+        floor = conv.materialize.min_free_fraction
+        resident = 1.0 if floor <= 0 else min(1.0, free / floor)
+        outlook = outlooks.outlook(conv.id, conv.tenant, conv.closed_turns, resident, computed)
+        settings = dataclasses.replace(conv.materialize, continue_probability=outlook.next_turn)
+        builds, _ = settings.decide(reasoning_tokens=shape.reasoning, answer_tokens=shape.tail, free_fraction=free,
+                                    idle=self.materializer.waiting_users == 0)
+        return self.auto.choose(shape, outlook, float(builds)), settings
 
     def _shadow(self, conv: Conversation, tpl: Template, record: TurnRecord,
                 drop_materializes: Optional[bool] = None, unfed: int = 0, free_fraction=None) -> None:
@@ -372,6 +466,20 @@ class StepPath:
             self._stopping = True
             for cancel in list(self._inflight):
                 cancel.cancel(ShuttingDown("the server is shutting down"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Redrop:
+    """Kept turns policy auto drops at a turn's first step, the chain being gone."""
+
+    turns: tuple[int, ...]
+    history: list[Message]  # the canonical history with their reasoning dropped
+    keep: object  # the KeepReasoning after it
+    choice: AutoChoice
+
+    def rule(self) -> dict:
+        return {"rule": "auto", "reason": self.choice.reason, "dropped_turns": list(self.turns),
+                "reasoning_tokens": self.choice.shape.reasoning}
 
 
 _reasoning = operator.attrgetter("reasoning")

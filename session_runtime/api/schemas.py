@@ -27,7 +27,7 @@ class CreateConversation(BaseModel):
     system: Optional[str] = None
     tools: Optional[list[dict]] = None
     tenant: Optional[str] = None
-    policy: Optional[Literal["keep", "drop", "keep_last_k", "engine_default", "strip_thinking_cache"]] = None
+    policy: Optional[Literal["keep", "drop", "keep_last_k", "auto", "engine_default", "strip_thinking_cache"]] = None
     keep_last_k: int = Field(default=1, ge=0)
     materialize: Literal["auto", "always", "never"] = "auto"
     template: Optional[Literal["deepseek", "qwen3", "hf"]] = None

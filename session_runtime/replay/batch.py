@@ -66,9 +66,9 @@ class AggregateRun:
 
 def replay_all(rt: "Runtime", traces: Sequence[Trace], specs: Sequence[RunSpec], *,
                on_run: Optional[Callable[[str], None]] = None,
-               on_step: Optional[Callable[[], None]] = None) -> list[TraceRuns]:
+               on_step: Optional[Callable[[], None]] = None, clock=None) -> list[TraceRuns]:
     """Replay every trace under every spec, each run in a fresh tenant (see
-    `replay`). `on_run` gets a label before each run. Raises ReplayError naming
+    `replay`, which reads the time on `clock` where the trace has none). `on_run` gets a label before each run. Raises ReplayError naming
     the trace, and the Runtime's errors."""
     out = []
     for k, trace in enumerate(traces):
@@ -77,7 +77,7 @@ def replay_all(rt: "Runtime", traces: Sequence[Trace], specs: Sequence[RunSpec],
             if on_run is not None:
                 on_run(f"{k + 1}/{len(traces)} {spec.label}" if len(traces) > 1 else spec.label)
             try:
-                results.append(replay(rt, trace, spec, on_step=on_step))
+                results.append(replay(rt, trace, spec, on_step=on_step, clock=clock))
             except ReplayError as exc:
                 raise ReplayError(f"{trace.source}: {exc}") from exc
         out.append(TraceRuns(trace, results))
@@ -117,7 +117,7 @@ def run_notes(tr: TraceRuns) -> list[str]:
     that a dropping policy still replays differently from keep."""
     if any(s.reasoning.strip() for t in tr.trace.turns for s in t.steps):
         return []
-    dropping = [r for r in tr.results if r.spec.policy in ("drop", "keep_last_k")]
+    dropping = [r for r in tr.results if r.spec.policy in ("drop", "keep_last_k", "auto")]
     keep = next((r for r in tr.results if r.spec.policy == "keep"), None)
     if not dropping or (keep is not None and all(r.totals()["prefill"] == keep.totals()["prefill"] for r in dropping)):
         return ["the trace has no reasoning: every policy replays the same prompts"]

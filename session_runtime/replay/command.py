@@ -101,6 +101,9 @@ def run_command(args, out=None, err=None) -> int:
                                max_tools=0, max_tools_bytes=0, max_tenant_bytes=0)
         cost, clock = analysis.settings(args, config.prefill_chunk)
         price = analysis.kv_price(args, cost)
+        # Policy auto prices its choices as the verdict prices the runs.
+        config = config.replace(cost_model=args.cost_model or args.model, cost_dtype=args.cost_dtype,
+                                kv_price=price[0])
     except ValueError as exc:
         print(f"session-runtime replay: {exc}", file=err)
         return 2
@@ -119,7 +122,7 @@ def run_command(args, out=None, err=None) -> int:
         return 2
     try:
         progress = Progress(sum(t.n_steps for t in traces) * len(specs), enabled=not args.no_progress, stream=err)
-        runs = replay_all(rt, traces, specs, on_run=progress.set, on_step=progress.update)
+        runs = replay_all(rt, traces, specs, on_run=progress.set, on_step=progress.update, clock=clock)
         progress.close()
         progress = None
     except (RuntimeErrorBase, ReplayError) as exc:

@@ -95,7 +95,7 @@ def describe_run(result: ReplayResult) -> str:
     head = f"== {s.label}: policy={s.policy}"
     if s.policy == "keep_last_k":
         head += f" k={s.keep_last_k}"
-    if s.policy in ("drop", "keep_last_k"):
+    if s.policy in ("drop", "keep_last_k", "auto"):
         head += f" materialize={s.materialize}"
     return "\n".join([
         head + " ==",

@@ -11,6 +11,7 @@ from session_runtime.policies import MATERIALIZE_MODES, POLICIES
 
 if TYPE_CHECKING:
     from session_runtime.accounting import StepAccounting
+    from session_runtime.replay.economics import Clock
     from session_runtime.runtime import Runtime
     from session_runtime.templates import Message
 
@@ -39,7 +40,7 @@ class RunSpec:
 
     def default_label(self) -> str:
         name = f"keep_last_{self.keep_last_k}" if self.policy == "keep_last_k" else self.policy
-        return f"{name}:{self.materialize}" if self.policy in ("drop", "keep_last_k") else name
+        return f"{name}:{self.materialize}" if self.policy in ("drop", "keep_last_k", "auto") else name
 
 
 def parse_run_spec(text: str, materialize: str = "auto", keep_last_k: int = 1) -> RunSpec:
@@ -50,7 +51,7 @@ def parse_run_spec(text: str, materialize: str = "auto", keep_last_k: int = 1) -
 
 # drop under both extremes: auto decides per turn (|R| against the tail it would prefill) and
 # often skips tool-heavy turns, so `--policy drop` adds it when wanted.
-COMPARE = ("keep", "drop:never", "drop:always", "keep_last_k", "engine_default", "strip_thinking_cache")
+COMPARE = ("keep", "drop:never", "drop:always", "keep_last_k", "auto", "engine_default", "strip_thinking_cache")
 
 
 @dataclass
@@ -61,6 +62,7 @@ class TurnResult:
     materialized: int = 0  # idle-time prefill of the canonical branch after the turn closed
     fork_tokens: Optional[int] = None
     materialize_decision: Optional[str] = None
+    auto: Optional[dict] = None  # policy auto: what it chose for the turn and the costs it compared
 
     @property
     def first(self) -> "StepAccounting":
@@ -85,6 +87,7 @@ class TurnResult:
 
     def as_dict(self) -> dict:
         return {**self.row(), "fork_tokens": self.fork_tokens, "materialize_decision": self.materialize_decision,
+                "auto": self.auto, "auto_choice": self.auto["choice"] if self.auto else None,
                 "step_accounting": [s.as_dict() for s in self.steps]}
 
 
@@ -150,6 +153,7 @@ def replay(
     tenant: Optional[str] = None,
     on_step: Optional[Callable[[], None]] = None,
     delete: bool = True,
+    clock: Optional["Clock"] = None,
 ) -> ReplayResult:
     """Play `trace` in a new conversation of `rt` with forced output.
 
@@ -157,8 +161,20 @@ def replay(
     turns) and count as that turn's `materialized` tokens. `tenant` defaults to
     a fresh one, so the run shares no KV with earlier runs in the same Runtime.
     The conversation is deleted at the end unless `delete` is False (its KV stays
-    in the tree, evictable).
+    in the tree, evictable). Policy auto reads the time on the trace's own
+    clock (economics.trace_times: its timestamps, else `clock`'s nominal
+    seconds), as the economics price it.
     """
+    from session_runtime.replay.economics import Clock, trace_times
+
+    _, times = trace_times(trace, clock or Clock())
+    starts, at = [], 0.0
+    for tt in times:  # each turn's user message, on the trace's clock
+        starts.append(at)
+        at += sum(tt.steps) + sum(tt.tool_waits) + tt.think
+    outlooks = rt.auto.outlooks
+    wall, now = outlooks.clock, [0.0]
+    outlooks.clock = lambda: now[0]
     if isinstance(spec, str):
         spec = parse_run_spec(spec)
     tenant = tenant or f"replay-{spec.label}-{uuid.uuid4().hex[:8]}"
@@ -171,6 +187,7 @@ def replay(
             steps = []
             prev = None
             for k, ts in enumerate(turn.steps):
+                now[0] = starts[index] + sum(times[index].steps[:k]) + sum(times[index].tool_waits[:k])
                 if k == 0:
                     step = rt.send_message(cid, turn.user, forced=ts.forced)
                 else:
@@ -189,9 +206,10 @@ def replay(
             rt.materializer.wait_idle()
             record = rt.describe(cid)["turns"][index]
             result.turns.append(TurnResult(index, turn.line, steps, rt.materializer.stats["prefill_tokens"] - before,
-                                           record["fork_tokens"], record["materialize"]))
+                                           record["fork_tokens"], record["materialize"], record["auto"]))
         result.messages = rt.get(cid).trace_messages()
     finally:
         if delete:
             rt.delete_conversation(cid)
+        outlooks.clock = wall
     return result

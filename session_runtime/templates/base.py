@@ -88,6 +88,29 @@ class KeepFrom:
         return turn >= self.first
 
 
+@dataclass(frozen=True)
+class KeepChosen:
+    """A KeepReasoning for turns chosen one by one (policy `auto`): the turns in
+    `kept`, and every turn from `open_from` (the open turn) on. Not a threshold:
+    a renderer asks it per message."""
+
+    kept: frozenset
+    open_from: int
+
+    def __call__(self, turn: int) -> bool:
+        return turn >= self.open_from or turn in self.kept
+
+
+def keep_chosen(kept: frozenset, open_from: int) -> KeepReasoning:
+    """The turns in `kept` and those from `open_from` on: a threshold (KeepFrom)
+    where `kept` is a run that ends just before `open_from`, so renderers find
+    where keeping starts by bisection."""
+    low = open_from - len(kept)
+    if all(low <= t < open_from for t in kept):
+        return KeepFrom(low)
+    return KeepChosen(frozenset(kept), open_from)
+
+
 _turn = operator.attrgetter("turn")
 
 
