@@ -130,33 +130,8 @@ class OfficialRenderer:
         prefixes one by one does not serialize each again)."""
         if key is None:
             key = prefix_digests(list(messages), list(tools), [len(messages)])[0]
-        hit = self._memo.get((key, generation_prompt))
-        if hit is None:
-            hit = self._windowed(messages, tools, generation_prompt) or \
-                self._render_key(messages, tools, generation_prompt)
-            self._memo.put((key, generation_prompt), hit)
-        return hit
-
-    def _windowed(self, messages: Sequence[dict], tools: Sequence[dict],
-                  generation_prompt: bool) -> Optional[RenderedText]:
-        """The rendering of `messages` from a memoized one of a prefix of them, through
-        a window; None where there is no such prefix or the template is not local there."""
-        messages = list(messages)
-        n = len(messages)
-        if n < 4:
-            return None
-        at = list(range(max(1, n - _BASE_REACH), n))
-        for i, digest in zip(reversed(at), reversed(prefix_digests(messages, list(tools), at))):
-            base = self._memo.get((digest, False))
-            if base is not None:
-                window = _Window.over(messages, i)
-                if window is None:
-                    return None
-                try:
-                    return window.extend(self, base, messages, tools, generation_prompt)
-                except InvalidRequest:  # the window alone is a shape the template refuses: render whole
-                    return None
-        return None
+        return self._memo.get_or_compute((key, generation_prompt),
+                                         lambda: self._render_key(messages, tools, generation_prompt))
 
     def text(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool) -> str:
         return self.render(messages, tools, generation_prompt).text
@@ -211,71 +186,6 @@ class OfficialRenderer:
                 starts += [pos + a for a, _ in enc.offsets]
             pos += len(text)
         return ids, starts
-
-
-_BASE_REACH = 64  # how many messages back a memoized prefix is looked for
-
-
-@dataclass(frozen=True)
-class _Window:
-    """The messages a rendering is redone over: the leading system message (`lead`
-    of them) and those from `start`, the second-to-last user message of the
-    `base` messages already rendered, on."""
-
-    lead: int
-    start: int
-    base: int
-
-    @staticmethod
-    def over(messages: list[dict], base: int) -> Optional["_Window"]:
-        lead = 1 if messages and messages[0].get("role") == "system" else 0
-        users = [i for i in range(lead, base) if messages[i].get("role") == "user"]
-        if len(users) < 2 or not isinstance(messages[users[-2]].get("content"), str) \
-                or not messages[users[-2]]["content"]:
-            return None
-        return _Window(lead, users[-2], base)
-
-    def cut(self, messages: list[dict], end: int) -> list[dict]:
-        return messages[: self.lead] + messages[self.start: end]
-
-    def extend(self, renderer: "OfficialRenderer", base: RenderedText, messages: list[dict], tools: Sequence[dict],
-               generation_prompt: bool) -> Optional[RenderedText]:
-        """`base` (the rendering of messages[:self.base]) extended to all of
-        `messages`, or None where the window does not end like `base`."""
-        old = renderer._render_key(self.cut(messages, self.base), tools, False)
-        same = _common_suffix(old.text, base.text)
-        head = len(old.text) - same  # the window's own text before what it shares with the base
-        content = messages[self.start]["content"]
-        first = old.text.find(content)
-        if same == 0 or first < 0 or head > first or _inside_control(base, len(base.text) - same) \
-                or _inside_control(old, head):
-            return None  # the window's first message is not rendered as in the whole conversation
-        new = renderer._render_key(self.cut(messages, len(messages)), tools, generation_prompt)
-        if not new.text.startswith(old.text[:head]) or _inside_control(new, head):
-            return None
-        cut = len(base.text) - same
-        shift = cut - head
-        controls = tuple(c for c in base.controls if c[1] <= cut) + tuple(
-            (a + shift, b + shift) for a, b in new.controls if a >= head)
-        return RenderedText(base.text[:cut] + new.text[head:], controls)
-
-
-def _common_suffix(a: str, b: str) -> int:
-    """The length of the longest common suffix of `a` and `b` (binary search on C comparisons)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[len(a) - mid:] == b[len(b) - mid:]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _inside_control(rendered: RenderedText, pos: int) -> bool:
-    """Does `pos` fall strictly inside a control token of `rendered`?"""
-    i = bisect.bisect_right(rendered.controls, pos, key=lambda c: c[0])  # controls starting at or before pos
-    return i > 0 and rendered.controls[i - 1][0] < pos < rendered.controls[i - 1][1]
 
 
 def prefix_digests(messages: list[dict], tools: list[dict], at: Sequence[int], salt: object = None) -> list[bytes]:
