@@ -34,9 +34,7 @@ from report import write_report  # noqa: E402  (bench/ is on sys.path when run)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = [REPO / "examples" / "sample_trace.jsonl", REPO / "examples" / "traces"]
-# auto first: its runs of a trace learn how long conversations last from the runs of the traces
-# before it, never from the other policies' runs of the same trace.
-RUNS = ("auto:never", "auto:always", "keep", "drop:never", "drop:always")
+RUNS = ("keep", "drop:never", "drop:always", "auto:never", "auto:always")
 PAIRS = {"auto:never": "drop:never", "auto:always": "drop:always"}
 SCALES = (0.1, 1.0, 10.0)
 
@@ -48,13 +46,30 @@ def default_price(cost_model: str) -> float:
     return default_kv_price(build(cost_model))
 
 
-def replay(paths: list[Path], cost_model: str, price: float, out: Path) -> dict:
+def replay(paths: list[Path], cost_model: str, price: float, out: Path, runs: tuple[str, ...]) -> dict:
     cmd = [str(REPO / ".venv" / "bin" / "session-runtime"), "replay", *map(str, paths), "--no-model", "--no-progress",
            "--cost-model", cost_model, "--kv-price", repr(price), "--json", str(out)]
-    for run in RUNS:
+    for run in runs:
         cmd += ["--policy", run]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
+
+
+def replay_pairs(paths: list[Path], cost_model: str, price: float, folder: Path) -> dict:
+    """One replay process per auto run, auto first: its run of a trace learns how
+    long conversations last from the runs of the traces before it, never from
+    another run of the same trace. Returns one report with every run."""
+    merged = None
+    for auto, drop in PAIRS.items():
+        report = replay(paths, cost_model, price, folder / f"{auto.replace(':', '_')}.json", (auto, "keep", drop))
+        if merged is None:
+            merged = report
+            continue
+        for have, more in zip(merged["traces"], report["traces"]):
+            labels = {r["label"] for r in have["runs"]}
+            have["runs"] += [r for r in more["runs"] if r["label"] not in labels]
+            have["economics"]["runs"] += [r for r in more["economics"]["runs"] if r["label"] not in labels]
+    return merged
 
 
 def costs(report: dict, price: float) -> dict[str, dict[str, float]]:
@@ -124,7 +139,7 @@ def main() -> None:
         paths = SAMPLES + (synthetic(Path(tmp), args.synthetic, args.seed) if args.synthetic else [])
         for scale in SCALES:
             price = base * scale
-            report = replay(paths, args.cost_model, price, Path(tmp) / f"r{scale}.json")
+            report = replay_pairs(paths, args.cost_model, price, Path(tmp))
             per_trace = costs(report, price)
             result["prices"][f"{scale:g}x"] = {
                 "kv_price_flops": price, "costs": per_trace, "auto_choices": choices(report),

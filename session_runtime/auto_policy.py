@@ -19,8 +19,10 @@ Over dropping, keeping costs |R| tokens of KV held for every second the
 conversation goes on, |R| more context for every token it computes later, and,
 where the chain is gone by the next turn, |R| more prefill then. Over keeping,
 dropping costs the tail's prefill on the fork, once, where the chain is still
-there (gone, both prefill everything and drop's prompt is the shorter). The
-cheaper is chosen; a tie keeps (no work, no fork).
+there (gone, both prefill everything and drop's prompt is the shorter): for
+certain where the canonical branch is built in idle time, else only if
+another turn comes, and until then keeping holds the tail too. The cheaper is
+chosen; a tie keeps (no work, no fork), so a conversation about to end keeps.
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ def choose(shape: TurnShape, outlook: Outlook, cm: CostModel, kv_price: float, m
            reason: str = "close") -> AutoChoice:
     """Keep or drop one turn's reasoning (see the module's docstring).
     `materialized`: the chance that dropping builds the canonical branch in
-    idle time; until the next turn, dropping lazily holds only the fork, so
-    keeping holds the tail too."""
+    idle time (its prefill is then certain; lazily it waits for the next
+    turn, and until then only the fork is held, so keeping holds the tail
+    too)."""
     r, tail, fork = shape.reasoning, shape.tail, shape.fork
     if r <= 0:  # dropping would shorten nothing
         return AutoChoice("keep", 0.0, 0.0, reason, shape, outlook)
@@ -87,7 +90,9 @@ def choose(shape: TurnShape, outlook: Outlook, cm: CostModel, kv_price: float, m
     attention = cm.attention_flops_per_context * r * outlook.turns * outlook.turn_tokens
     refill = prefill_work(fork + r + tail, 0, chunk).flops(cm) - prefill_work(fork + tail, 0, chunk).flops(cm)
     keep = held + attention + outlook.next_turn * (1.0 - outlook.resident) * refill
-    drop = outlook.next_turn * outlook.resident * prefill_work(tail, fork, chunk).flops(cm)
+    # Built in idle time, the canonical branch is prefilled now, next turn or not; else at the next turn.
+    prefilled = materialized + (1.0 - materialized) * outlook.next_turn
+    drop = prefilled * outlook.resident * prefill_work(tail, fork, chunk).flops(cm)
     return AutoChoice("drop" if drop < keep else "keep", keep, drop, reason, shape, outlook)
 
 
@@ -265,6 +270,11 @@ class AutoPolicy:
 
             self._kv_price = default_kv_price(self.cost)
         return self._kv_price
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Turns chosen so far by (choice, reason)."""
+        with self._lock:
+            return dict(self.choices)
 
     def choose(self, shape: TurnShape, outlook: Outlook, materialized: float = 0.0,
                reason: str = "close") -> AutoChoice:

@@ -93,7 +93,7 @@ class RuntimeInspection:
             "worker": self.backend.worker_of(conv.id) or conv.worker,
             "turns": [{
                 "turn": t.index, "closed": t.closed, "fork": t.fork_tokens, "dropped": t.dropped_tokens,
-                "freed": t.branch_freed, "materialize": t.materialize,
+                "freed": t.branch_freed, "materialize": t.materialize, "auto": t.auto,
                 "canonical": {"prefill_tokens": t.materialized_prefill_tokens, "at": t.materialized_at}
                 if t.materialized_at is not None else None,
                 "steps": [{"step": i, "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
@@ -160,6 +160,10 @@ class RuntimeInspection:
             *(counter("stateless_requests_total", self.sessions.matched[how],
                       "Stateless requests served, by how their conversation was found (new: none matched)"
                       ).labelled(match=how) for how in ("history", "session_key", "retry", "new")),
+            *(counter("auto_choices_total", n, "Turns policy auto kept or dropped the reasoning of (reason: close, "
+                      "at the turn's close; not_resident, dropped later, the chain being gone)"
+                      ).labelled(choice=choice, reason=reason)
+              for (choice, reason), n in sorted(self.auto.counts().items())),
             counter("materialized_total", stats["done"], "Canonical-branch materializations done"),
             counter("materialize_cancelled_total", stats["cancelled"],
                     "Materializations cancelled before they ran (a newer job or a user step came first)"),
