@@ -217,6 +217,10 @@ function chainBox(c) {
     if (t.canonical) text += ", canonical branch built " + new Date(t.canonical.at * 1000).toLocaleTimeString() +
                              " (" + t.canonical.prefill_tokens + " tok prefilled in idle time)";
     else if (t.materialize) text += "; canonical branch " + t.materialize;
+    if (t.auto) text += "; auto " + (t.auto.choice === "keep" ? "kept" : "dropped") + " its reasoning (" +
+                        (t.auto.reason === "not_resident" ? "the chain was gone; " : "") + "keep " +
+                        t.auto.keep_cost_flops.toExponential(2) + " vs drop " +
+                        t.auto.drop_cost_flops.toExponential(2) + " FLOPs)";
     list.append(el("li", "", text));
   }
   if (closed.length) box.append(list);
