@@ -149,3 +149,28 @@ def test_a_kept_turn_renders_its_reasoning_and_a_lost_chain_drops_it():
         assert [m["reasoning"] for m in rt.describe(cid)["history"] if m["role"] == "assistant"][0] == ""
     finally:
         rt.close()
+
+
+def test_choices_survive_a_restart_and_the_lost_chain_drops_kept_reasoning(tmp_path):
+    """The choice is stored with the turn; after a restart the chain is gone,
+    so the next turn drops what was kept, and the store says so."""
+    config = RuntimeConfig(model="tiny", policy="auto", cost_model="qwen3-8b", kv_price=0.0, data_dir=str(tmp_path))
+    rt = Runtime(config, background=False)
+    cid = rt.create_conversation("be brief")
+    rt.send_message(cid, "question 0", forced={"reasoning": "hm", "content": "a long answer " * 30})
+    assert rt.describe(cid)["turns"][0]["auto"]["choice"] == "keep"
+    rt.close()
+    rt = Runtime(config, background=False)
+    try:
+        assert rt.describe(cid)["turns"][0]["auto"]["choice"] == "keep"
+        step = rt.send_message(cid, "question 1", forced={"content": "ok"})
+        assert step.accounting.rules["auto"]["dropped_turns"] == [0]
+        assert rt.describe(cid)["turns"][0]["auto"]["reason"] == "not_resident"
+    finally:
+        rt.close()
+    rt = Runtime(config, background=False)
+    try:
+        assert rt.describe(cid)["turns"][0]["auto"]["reason"] == "not_resident"  # the rewritten record was stored
+        assert [m["reasoning"] for m in rt.describe(cid)["history"] if m["role"] == "assistant"][0] == ""
+    finally:
+        rt.close()
