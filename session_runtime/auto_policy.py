@@ -245,7 +245,7 @@ class AutoPolicy:
         self._kv_price = kv_price
         self._cost: Optional[CostModel] = None
         self.outlooks = Outlooks(clock)
-        self.choices: Counter = Counter()  # (choice, reason) -> turns
+        self._choices: Counter = Counter()  # (choice, reason) -> turns
         self._lock = threading.Lock()
 
     @property
@@ -274,12 +274,12 @@ class AutoPolicy:
     def counts(self) -> dict[tuple[str, str], int]:
         """Turns chosen so far by (choice, reason)."""
         with self._lock:
-            return dict(self.choices)
+            return dict(self._choices)
 
     def choose(self, shape: TurnShape, outlook: Outlook, materialized: float = 0.0,
                reason: str = "close") -> AutoChoice:
         """`choose` at this policy's prices, counted."""
         choice = choose(shape, outlook, self.cost, self.kv_price, materialized, reason)
         with self._lock:
-            self.choices[(choice.choice, reason)] += 1
+            self._choices[(choice.choice, reason)] += 1
         return choice

@@ -286,15 +286,16 @@ class StepPath:
         step's own answer reported it, if it did."""
         record.closed = True
         self.backend.drop_host_copy(conv.id)  # the tool chain's copy will not be reloaded
-        settings = conv.materialize
+        settings, dropped = conv.materialize, None
         if conv.policy.name == "auto" and self.backend.holds_kv:
             reported = chain  # the step's own report of the pool, where it made one
-            choice, settings = self._auto_close(conv, tpl, record, generated, acc, (lambda: reported.free_fraction)
-                                                if reported is not None else self.backend.free_fraction)
+            choice, settings, dropped = self._auto_close(conv, tpl, record, generated, acc,
+                                                         (lambda: reported.free_fraction) if reported is not None
+                                                         else self.backend.free_fraction)
             record.auto = choice.as_dict()
-        keep = conv.kept_reasoning()
-        conv.history = _without_reasoning(tpl, conv.history, keep)
-        canonical = tpl.render(conv.system, conv.tools, conv.history, keep, False).ids
+            if choice.choice != "drop":
+                dropped = None  # kept: the canonical history is another
+        conv.history, canonical = dropped or _canonical(tpl, conv, conv.kept_reasoning())
         fork = turn_rules.common_prefix(generated, canonical)
         record.fork_tokens = fork
         acc = dataclasses.replace(acc, active_context_length=len(canonical))
@@ -370,8 +371,7 @@ class StepPath:
         dropped = _without_reasoning(tpl, history, after)
         now = tpl.rendered_length(conv.system, conv.tools, history, keep, False)
         then = tpl.rendered_length(conv.system, conv.tools, dropped, after, False)
-        last = conv.turns[-1].steps if conv.turns else []
-        computed = sum((s.uncached_prefill_tokens or 0) + s.output_tokens for s in last)
+        computed = _computed_tokens(conv.turns[-1].steps if conv.turns else [])
         rest = self.auto.outlooks.outlook(conv.id, conv.tenant, closed + 1, 0.0, computed)
         # The turn is here: its tokens and the rest's see the reasoning kept, and it is prefilled now.
         outlook = dataclasses.replace(rest, next_turn=1.0, turns=1.0 + rest.turns)
@@ -389,25 +389,25 @@ class StepPath:
                                                                   "kept_at_close": record.auto})
 
     def _auto_close(self, conv: Conversation, tpl: Template, record: TurnRecord, generated: list[int], acc,
-                    free_fraction) -> tuple[AutoChoice, "MaterializeSettings"]:
+                    free_fraction) -> tuple[AutoChoice, "MaterializeSettings", tuple[list[Message], list[int]]]:
         """Policy auto at the close of `record`'s turn (closed, no choice yet, so
         dropped by `kept_reasoning`): the turn's shape from the history
         rendered with its reasoning dropped against the generated sequence,
         the conversation's outlook, the choice; and the materialize settings
         with the outlook's chance of another turn, which decide the canonical
         branch if it drops (and whether dropping would build it, for the
-        choice). Changes no layer."""
-        dropped = conv.kept_reasoning()
-        drop_ids = tpl.render(conv.system, conv.tools, _without_reasoning(tpl, conv.history, dropped), dropped,
-                              False).ids
+        choice); and the canonical history and ids with it dropped. Changes
+        no layer."""
+        dropped = _canonical(tpl, conv, conv.kept_reasoning())
+        drop_ids = dropped[1]
         fork = turn_rules.common_prefix(generated, drop_ids)
         shape = TurnShape(reasoning=len(generated) - len(drop_ids), tail=len(drop_ids) - fork, fork=fork)
-        computed = sum((s.uncached_prefill_tokens or 0) + s.output_tokens for s in [*record.steps, acc])
+        computed = _computed_tokens([*record.steps, acc])
         outlooks = self.auto.outlooks
         outlooks.turn_closed(conv.id, conv.tenant, computed)
         if shape.reasoning <= 0:  # nothing to drop: the pool is not asked
             return self.auto.choose(shape, outlooks.outlook(conv.id, conv.tenant, conv.closed_turns, 1.0, computed)), \
-                conv.materialize
+                conv.materialize, dropped
         free = free_fraction()
         floor = conv.materialize.min_free_fraction
         resident = 1.0 if floor <= 0 else min(1.0, free / floor)
@@ -415,7 +415,7 @@ class StepPath:
         settings = dataclasses.replace(conv.materialize, continue_probability=outlook.next_turn)
         builds, _ = settings.decide(reasoning_tokens=shape.reasoning, answer_tokens=shape.tail, free_fraction=free,
                                     idle=self.materializer.waiting_users == 0)
-        return self.auto.choose(shape, outlook, float(builds)), settings
+        return self.auto.choose(shape, outlook, float(builds)), settings, dropped
 
     def _shadow(self, conv: Conversation, tpl: Template, record: TurnRecord,
                 drop_materializes: Optional[bool] = None, unfed: int = 0, free_fraction=None) -> None:
@@ -480,6 +480,18 @@ class _Redrop:
     def rule(self) -> dict:
         return {"rule": "auto", "reason": self.choice.reason, "dropped_turns": list(self.turns),
                 "reasoning_tokens": self.choice.shape.reasoning}
+
+
+def _canonical(tpl: Template, conv: Conversation, keep) -> tuple[list[Message], list[int]]:
+    """The conversation's history with the reasoning `keep` does not keep
+    stripped, and its rendering without a generation prompt."""
+    history = _without_reasoning(tpl, conv.history, keep)
+    return history, tpl.render(conv.system, conv.tools, history, keep, False).ids
+
+
+def _computed_tokens(steps) -> int:
+    """Tokens some steps computed: their prefill and their output."""
+    return sum((s.uncached_prefill_tokens or 0) + s.output_tokens for s in steps)
 
 
 _reasoning = operator.attrgetter("reasoning")

@@ -172,9 +172,6 @@ def replay(
     for tt in times:  # each turn's user message, on the trace's clock
         starts.append(at)
         at += sum(tt.steps) + sum(tt.tool_waits) + tt.think
-    outlooks = rt.auto.outlooks
-    wall, now = outlooks.clock, [0.0]
-    outlooks.clock = lambda: now[0]
     if isinstance(spec, str):
         spec = parse_run_spec(spec)
     tenant = tenant or f"replay-{spec.label}-{uuid.uuid4().hex[:8]}"
@@ -182,6 +179,9 @@ def replay(
                                  keep_last_k=spec.keep_last_k, materialize=spec.materialize)
     result = ReplayResult(spec, cid, tenant, kv_bytes_per_token=rt.backend.bytes_per_token,
                           template=rt.get(cid).template)
+    outlooks = rt.auto.outlooks
+    wall, now = outlooks.clock, [0.0]
+    outlooks.clock = lambda: now[0]
     try:
         for index, turn in enumerate(trace.turns):
             steps = []
