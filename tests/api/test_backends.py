@@ -101,23 +101,31 @@ _KEYS = ("prompt_tokens", "cached_input_tokens", "uncached_prefill_tokens", "log
          "kv_device_bytes", "cache_state", "counterfactual")
 
 
+_POLICIES = ("drop", "keep", "auto", "strip_thinking_cache", "engine_default")
+
+
 def test_both_backends_account_the_same(embedded_twin, sglang_runtime):
-    """The same scenario through each backend's Python API gives the same numbers."""
+    """The same scenario through each backend's Python API gives the same numbers
+    (policy auto's choices too, on a clock that stands still on both)."""
     figures = {}
     for name, rt in (("embedded", embedded_twin), ("sglang", sglang_runtime)):
         live = start_server(rt)
+        wall, rt.auto.outlooks.clock = rt.auto.outlooks.clock, lambda: 0.0
         try:
             with httpx.Client(base_url=live.url, timeout=300) as c:
-                for policy in ("drop", "keep", "strip_thinking_cache", "engine_default"):
+                for policy in _POLICIES:
                     cid, steps, conv = tool_chain(c, rt, f"You are the same {policy} agent on both backends.",
                                                   policy=policy)
                     figures[name, policy] = ([{k: a[k] for k in _KEYS} for a in steps],
-                                             conv["chain"]["cached_tokens"], [t["fork_tokens"] for t in conv["turns"]])
+                                             conv["chain"]["cached_tokens"], [t["fork_tokens"] for t in conv["turns"]],
+                                             [t["auto"] and t["auto"]["choice"] for t in conv["turns"]])
                     rt.delete_conversation(cid)
         finally:
+            rt.auto.outlooks.clock = wall
             live.stop()
-    for policy in ("drop", "keep", "strip_thinking_cache", "engine_default"):
+    for policy in _POLICIES:
         assert figures["embedded", policy] == figures["sglang", policy], policy
+    assert all(figures["sglang", "auto"][3]), "auto chose for every closed turn"
 
 
 def test_keep_policy_reuses_the_whole_generated_turn(client, backend_live):
