@@ -125,10 +125,18 @@ class Forward:
         request = self.client.build_request(scope["method"], url, headers=headers, content=body)
         try:
             response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+        except _UNSENT as exc:  # nothing reached the owner: nothing changed, send it again later
             await self._unavailable(scope, send, f"the runtime process serving this conversation ({route.owner} at "
                                                  f"{route.url}) cannot be reached ({type(exc).__name__}); another "
                                                  "takes it over once its beat lapses")
+            return
+        except httpx.HTTPError as exc:
+            # The owner had the request and stopped answering (killed mid-step): it
+            # may have stored the step before it died, so this is no "nothing changed".
+            await self._lost(scope, send, f"the runtime process serving this conversation ({route.owner} at "
+                                          f"{route.url}) stopped answering during the request ({type(exc).__name__}): "
+                                          "the step may have been stored; read the conversation before sending it "
+                                          "again")
             return
         try:
             out = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP]  # raw bytes: their length too
@@ -142,8 +150,18 @@ class Forward:
 
     async def _unavailable(self, scope: Scope, send: Send, message: str) -> None:
         retry = str(math.ceil(self.runtime.fleet.ttl))
-        err = ApiError(503, "unavailable", message, headers={"retry-after": retry})
+        await self._error(scope, send, ApiError(503, "unavailable", message, headers={"retry-after": retry}))
+
+    async def _lost(self, scope: Scope, send: Send, message: str) -> None:
+        await self._error(scope, send, ApiError(502, "owner_lost", message))
+
+    async def _error(self, scope: Scope, send: Send, err: ApiError) -> None:
         await error_response(err, scope["path"])(scope, _nothing, _stamped(send, MEMBER, self.runtime.fleet.id))
+
+
+# Errors before the request reached the owner (no connection, or none free):
+# the owner never saw it. Any other error may come after it did.
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 def conversation_of(scope: Scope, body: bytes) -> Optional[str]:
