@@ -16,7 +16,7 @@ from session_runtime.config import RuntimeConfig
 from session_runtime.runtime import Runtime
 from tests.conftest import SGLANG_POOL
 
-LEASE, TTL = 2.0, 1.0
+LEASE, TTL = 5.0, 1.0  # a lease outlasts the stalls of a loaded 2-core machine (a 2 s one expired while b started)
 TOOL = {"reasoning": "A tool first. " * 3, "tool_calls": [{"name": "f", "arguments": {"x": 1}}]}
 
 

@@ -84,6 +84,9 @@ class SGLangBackend(Backend):
         self._closing = False
         self._restart_lock = threading.Lock()
         self._restarting: Optional[threading.Thread] = None
+        self.last_answer = time.monotonic()  # when the server last sent anything (a chunk, a command's answer)
+        self._streams: dict[object, bool] = {}  # open step streams -> abandoned (the server stopped answering)
+        self._streams_lock = threading.Lock()
         self.http = http if http is not None else control.http  # commands and checks
         # A step's own request: lean keep-alive connections, with the same key (direct_http.py)
         self.step_http = DirectPool(self.url, headers={k: v for k, v in self.http.headers.items()
@@ -269,31 +272,70 @@ class SGLangBackend(Backend):
 
     def _stream(self, body: dict, cancel: Optional[Cancellation] = None):
         """Yield each streamed JSON chunk. Raises BackendUnavailable when the
-        server cannot be reached, InvalidRequest when it refuses the request.
-        A step that is cancelled, or whose deadline passes, while no chunk comes
-        (queued in the scheduler) closes the stream at once: SGLang aborts the
-        request, and the step fails with the cancellation's error."""
-        stop = None
+        server cannot be reached or is abandoned as hung (`abandon`),
+        InvalidRequest when it refuses the request. A step that is cancelled,
+        or whose deadline passes, while no chunk comes (queued in the
+        scheduler) closes the stream at once: SGLang aborts the request, and
+        the step fails with the cancellation's error."""
+        stop = resp = None
         try:
             # orjson: the prompt's ids are most of the body, and a long context's are
             # ~10x faster to write than with json (10 ms at 100k tokens, measured here)
             with self.step_http.post("/generate", orjson.dumps(body, option=_NON_STR_KEYS), _JSON) as resp:
+                with self._streams_lock:
+                    self._streams[resp] = False
                 stop = cancel.watch(resp.hang_up) if cancel is not None else None
                 if resp.status >= 400:
                     raise self._http_error(resp.status, resp.read().decode(errors="replace"))
                 for chunk in sse_chunks(resp.iter_lines()):
+                    self.last_answer = time.monotonic()
                     if "error" in chunk:
                         raise self._abort_error(str(chunk["error"]))
                     yield chunk
+            if self._abandoned(resp):
+                raise TransportError("its stream was closed: the server stopped answering")
         except Exception as exc:
             if cancel is not None and cancel.error is not None:  # we closed it
                 raise cancel.error from None
-            if isinstance(exc, TransportError):
+            if isinstance(exc, TransportError) or self._abandoned(resp):
                 raise BackendUnavailable(self._down(str(exc))) from None
             raise
         finally:
             if stop is not None:
                 stop()
+            with self._streams_lock:
+                self._streams.pop(resp, None)
+
+    def answers(self, timeout_s: float) -> bool:
+        """Whether its scheduler answers a ping within `timeout_s`, through
+        SGLang's request path as a step goes (HTTP, tokenizer, scheduler and
+        back; answered at intake, so in milliseconds when it serves, between
+        two batches when it is busy). A refusal is an answer."""
+        try:
+            self.control.call("ping", timeout_s=timeout_s)
+        except ChannelDown:
+            return False
+        except ControlError:
+            pass
+        self.last_answer = time.monotonic()
+        return True
+
+    def _abandoned(self, resp) -> bool:
+        with self._streams_lock:
+            return resp is not None and self._streams.get(resp, False)
+
+    def abandon(self) -> int:
+        """The server stopped answering (hung, or its processes died): close
+        every step stream open on it, so those steps fail at once with the
+        retryable BackendUnavailable and change nothing, rather than wait for
+        the read timeout. Returns how many were open."""
+        with self._streams_lock:
+            open_now = list(self._streams)
+            for resp in open_now:
+                self._streams[resp] = True
+        for resp in open_now:
+            resp.hang_up()
+        return len(open_now)
 
     # ----- a launched server that dies is started again ------------------------
 
@@ -302,19 +344,31 @@ class SGLangBackend(Backend):
 
     def _check_server(self) -> None:
         """Raise BackendUnavailable while a launched server is down, and start it
-        again (once, in the background) when it has exited. Its tree starts
-        empty: the conversations' next steps rebuild their KV by prefill."""
+        again (once, in the background) when it or one of its processes has
+        exited. Its tree starts empty: the conversations' next steps rebuild
+        their KV by prefill."""
         if self.server is None or self.server.alive() and self._restarting is None:
             return
+        if self.revive():
+            raise BackendUnavailable(f"SGLang server at {self.url} is restarting after it exited; nothing "
+                                     "changed, retry in a minute")
+
+    def revive(self) -> bool:
+        """Start a launched server again (in the background) when it, or one of
+        its scheduler or detokenizer processes, has exited; what is left of it
+        is stopped first. Returns whether it is restarting."""
+        if self.server is None:
+            return False
         with self._restart_lock:
-            if self._restarting is None and not self.server.alive():
-                code = self.server.process.returncode
-                logger.error("SGLang's server exited with code %s; starting it again", code)
+            if self._restarting is None and not self.server.alive() and not self._closing:
+                code, dead = self.server.process.poll(), self.server.dead_members()
+                logger.error("SGLang's server at %s %s; starting it again", self.url,
+                             f"exited with code {code}" if code is not None else
+                             f"lost its process{'es' if len(dead) > 1 else ''} {dead}")
+                self.abandon()
                 self._restarting = threading.Thread(target=self._restart, name="sglang-restart", daemon=True)
                 self._restarting.start()
-            if self._restarting is not None:
-                raise BackendUnavailable(f"SGLang server at {self.url} is restarting after it exited; nothing "
-                                         "changed, retry in a minute")
+            return self._restarting is not None
 
     def _restart(self) -> None:
         from session_runtime.backends.sglang.launcher import LaunchFailed, relaunch
@@ -340,7 +394,9 @@ class SGLangBackend(Backend):
     def _down(self, why: str) -> str:
         state = ""
         if self.server is not None and not self.server.alive():
-            state = f" (the SGLang process exited with code {self.server.process.returncode})"
+            code = self.server.process.poll()
+            state = (f" (the SGLang process exited with code {code})" if code is not None
+                     else f" (its processes {self.server.dead_members()} exited)")
         return f"SGLang server at {self.url} is unavailable{state}: {why}; nothing changed, retry once it is back"
 
     def _http_error(self, status: int, text: str):
@@ -373,7 +429,9 @@ class SGLangBackend(Backend):
     def _send(self, name: str, **args):
         self._check_server()
         try:
-            return self.control.call(name, **args)
+            answer = self.control.call(name, **args)
+            self.last_answer = time.monotonic()
+            return answer
         except ChannelDown as exc:
             raise BackendUnavailable(self._down(exc.message)) from None
 

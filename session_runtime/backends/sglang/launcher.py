@@ -4,6 +4,13 @@ flags, wait until it serves, and stop it (the whole group) within seconds.
 The server runs `radix_ext`'s `session` radix-cache backend; on `--device cpu`
 our out-of-tree CPU platform is switched on for it (SESSION_RUNTIME_SGLANG_CPU).
 Its output goes to a log file whose tail names the cause of a failed start.
+
+A server is alive while every process it runs serves: its own, and the
+scheduler and detokenizer processes it spawned (SGLang titles them
+`sglang::...`), recorded once it is ready. When one of those dies the server
+process lives on but answers nothing (its HTTP side waits on the dead
+scheduler), so a dead member counts as a dead server: the backend stops what
+is left and starts it again.
 """
 
 from __future__ import annotations
@@ -95,10 +102,21 @@ class LaunchedServer:
     log_path: str
     ready: object = None  # the readiness check it was started with
     started_s: float = 0.0
+    members: dict = field(default_factory=dict)  # pid -> start time of each `sglang::` process it spawned
     _stopped: bool = field(default=False, repr=False)
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        """Its process runs, and so does every member recorded at its start
+        (a few reads of /proc)."""
+        return self.process.poll() is None and all(_running(pid, start) for pid, start in self.members.items())
+
+    def dead_members(self) -> list[int]:
+        return [pid for pid, start in self.members.items() if not _running(pid, start)]
+
+    def record_members(self) -> None:
+        """Remember the `sglang::` processes of its group (scheduler,
+        detokenizer, one scheduler per rank), once it serves."""
+        self.members = {pid: start for pid, start, title in _group(self.process.pid) if title.startswith(b"sglang::")}
 
     def wrote_since(self, offset: int, text: str) -> bool:
         """Whether the log holds `text` past byte `offset`."""
@@ -144,6 +162,34 @@ def _group_alive(pgid: int) -> bool:
         return True
     # A zombie leader keeps the group "alive" until reaped.
     return not _only_zombies(pgid)
+
+
+def _stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/PID/stat after the command (state first), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _running(pid: int, start: str) -> bool:
+    """The process `pid` that started at `start` (not a reused pid) exists and is no zombie."""
+    fields = _stat(pid)
+    return fields is not None and fields[19] == start and fields[0] not in ("Z", "X")
+
+
+def _group(pgid: int) -> list[tuple[int, str, bytes]]:
+    """(pid, start time, command line) of each live process of the group."""
+    out = []
+    for name in os.listdir("/proc"):
+        fields = _stat(int(name)) if name.isdigit() else None
+        if fields is None or int(fields[2]) != pgid or fields[0] in ("Z", "X"):
+            continue
+        try:
+            out.append((int(name), fields[19], Path(f"/proc/{name}/cmdline").read_bytes()))
+        except OSError:
+            continue
+    return out
 
 
 def _only_zombies(pgid: int) -> bool:
@@ -243,6 +289,7 @@ def _launch_once(spec, port: int, ready, timeout_s: float, on_spawn, env: Option
                                f"(log {log_path}):\n{tail}")
         if ready(url):
             server.started_s = time.monotonic() - t0
+            server.record_members()
             return server
         if server.wrote_since(start, BIND_FAILED):
             tail = server.log_tail()

@@ -6,14 +6,26 @@ hashing with bounded loads over the live workers that are not draining) and
 every step and control command for it goes there. The placement is kept with
 the conversation (`Conversation.worker`) and restored after a restart.
 
-Workers are health-checked (their `/health`, every `health_interval_s`, and any
-request that finds one unreachable). A request in flight on a worker that dies
-fails with the worker's retryable 503 and changes nothing. The next request of
-a conversation whose worker is down, or draining, moves it to a live worker: the
+Workers are health-checked every `health_interval_s`, all at once (a hung one
+holds up none of the others), and by any request that finds one unreachable.
+A worker is down when
+- a launched one's server process, or one of its scheduler and detokenizer
+  processes, has exited (SGLang's HTTP side lives on without its scheduler and
+  answers nothing): it is seen at once, and the worker is started again;
+- its scheduler does not answer a ping within `probe_timeout_s` and it sent
+  nothing meanwhile (a worker busy with a long step streams chunks; a hung
+  one, that accepts connections and never answers, sends nothing). The ping is
+  a command through SGLang's request path, answered at the scheduler's intake
+  (milliseconds); SGLang's own `/health` generates a token and polls for it
+  each second, so it takes at least 1 s and is not used.
+Steps in flight on a worker found down are closed (`abandon`): they fail with
+the worker's retryable 503 at once and change nothing. The next request of a
+conversation whose worker is down, or draining, moves it to a live worker: the
 KV is rebuilt there by prefill (its accounting counts the history as
-recomputed), and nothing acknowledged is lost because history lives in the
-runtime, not in the worker. A worker that answers again rejoins: new
-conversations may be placed on it.
+recomputed, `backend_lost`), and nothing acknowledged is lost because history
+lives in the runtime, not in the worker. A worker that answers again (restarted,
+or given by URL and back) rejoins: new conversations may be placed on it; the
+ones that moved off it stay where they went.
 
 Stateless steps (a throw-away conversation, placed with `stateless=True`) go
 through `sglang-router` when the pool has one (`router.py`): it picks the
@@ -25,9 +37,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
-
-import httpx
 
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime import placement
@@ -45,8 +57,8 @@ class WorkerPool(Backend):
     supports_offload = True
     probes_in_step = True  # every worker's are (a stateless step's router's are not: route() says)
 
-    def __init__(self, workers: dict[str, SGLangBackend], epsilon: float = 0.25, health_interval_s: float = 2.0,
-                 router: Optional[RoutedBackend] = None):
+    def __init__(self, workers: dict[str, SGLangBackend], epsilon: float = 0.25, health_interval_s: float = 0.5,
+                 router: Optional[RoutedBackend] = None, probe_timeout_s: float = 2.0):
         if not workers:
             raise InvalidRequest("no SGLang worker")
         first = next(iter(workers.values()))
@@ -69,6 +81,8 @@ class WorkerPool(Backend):
         self.moves = 0  # conversations moved off a dead or draining worker
         self._stale: dict[str, set[str]] = {}  # worker -> conversations moved off it while it was down
         self._ring = placement.ring(sorted(workers))
+        self.probe_timeout_s = probe_timeout_s
+        self._probes = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="sglang-probe")
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._health = threading.Thread(target=self._watch, args=(health_interval_s,), name="sglang-health",
@@ -166,12 +180,18 @@ class WorkerPool(Backend):
 
     def _watch(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            self.check_health()
+            try:
+                self.check_health()
+            except RuntimeError:  # its probes' threads shut down: the pool is closing
+                if not self._stop.is_set():
+                    raise
 
     def check_health(self) -> dict[str, bool]:
-        """Ping every worker once; a worker that answers again rejoins."""
-        for wid, w in self.workers.items():
-            ok = w.available() and _answers(w.url)
+        """Probe every worker at once. One that answers again rejoins; one
+        found down has the steps open on it closed (they fail retryably at
+        once), and a launched one whose processes died is started again."""
+        for wid, ok in zip(self.workers, self._probes.map(self._healthy, self.workers.values())):
+            w = self.workers[wid]
             with self._lock:
                 was, self.up[wid] = self.up[wid], ok
             if ok and not was:
@@ -180,10 +200,18 @@ class WorkerPool(Backend):
                     stale = self._stale.pop(wid, set())
                 for owner in stale:  # their chains moved on; what it still holds of them goes
                     w.release(owner)
-            elif was and not ok:
-                logger.error("SGLang worker %s does not answer its /health", wid)
+            elif not ok:
+                if w.abandon() or was:
+                    logger.error("SGLang worker %s is down (no answer to a ping within %.1f s, or its processes "
+                                 "exited); its conversations move on their next steps", wid, self.probe_timeout_s)
         with self._lock:
             return dict(self.up)
+
+    def _healthy(self, w: SGLangBackend) -> bool:
+        if w.revive() or not w.available():  # a launched one that died starts again
+            return False
+        asked = time.monotonic()
+        return w.answers(self.probe_timeout_s) or w.last_answer > asked  # busy: it streams meanwhile
 
     def drain(self, wid: str) -> list[str]:
         """Stop placing on `wid` and hand its conversations to the other workers
@@ -354,6 +382,7 @@ class WorkerPool(Backend):
 
     def close(self) -> None:
         self._stop.set()
+        self._probes.shutdown(wait=False)
         if self.router is not None:
             self.router.close()
         for w in self.workers.values():
@@ -368,10 +397,3 @@ class WorkerPool(Backend):
             self._call(owner, fn)
         except BackendUnavailable:
             pass  # a worker that is gone holds nothing to mark
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
