@@ -149,55 +149,87 @@ def test_a_drained_worker_hands_its_conversations_over(pool):
             rt.delete_conversation(c)
 
 
-def test_kill_9_of_a_worker_under_traffic_loses_no_acknowledged_step(pool):
-    """Four agents step in a loop (a tool call, its result and the answer, four
-    turns), retrying a step that fails with the retryable 503; w1's server gets
-    SIGKILL once six steps are acknowledged, with requests in flight. Every
-    acknowledged step is in its conversation afterwards, nothing else is, and
-    w1's conversations go on on w0 (their history rebuilt by prefill)."""
-    rt = pool
-    cids = [rt.create_conversation(system=SYSTEM + "kill" + str(i), policy="drop", tenant="workers")
-            for i in range(4)]
-    on_w1 = {c for c in cids if _where(rt, c) == "w1"}
-    assert on_w1 and len(on_w1) < len(cids)
-    acked = {c: 0 for c in cids}
-    failed: list[str] = []
+def _traffic(rt, cids, acked, failed, done, retry_s=0.2, turns=4):
+    """Agents that step in a loop (a tool call, its result and the answer,
+    `turns` turns), retrying a step that fails with the retryable 503; each
+    acknowledged step's time goes into acked[cid]."""
 
     def agent(cid: str) -> None:
-        for turn in range(4):
+        for turn in range(turns):
             for kind in ("call", "result"):
-                while True:
+                while not done.is_set():
                     try:
                         if kind == "call":
                             rt.send_message(cid, f"Turn {turn}", forced=CALL)
                         else:
                             call_id = rt.describe(cid)["pending_tool_calls"][0]["id"]
                             rt.send_tool_results(cid, [{"tool_call_id": call_id, "content": "ok"}], forced=DONE)
-                        acked[cid] += 1
+                        acked[cid].append(time.monotonic())
                         break
                     except BackendUnavailable:  # retryable: the step changed nothing
                         failed.append(cid)
-                        time.sleep(0.2)
+                        time.sleep(retry_s)
 
     threads = [threading.Thread(target=agent, args=(c,)) for c in cids]
     for t in threads:
         t.start()
+    return threads
+
+
+def _recovered(acked: dict, cids, since: float) -> dict:
+    """Seconds from `since` to each conversation's first acknowledged step after it."""
+    return {c: min((t for t in acked[c] if t > since), default=float("inf")) - since for c in cids}
+
+
+def _lost_after(rt, cid: str, steps_before: int) -> set:
+    """The uncached reasons of the conversation's steps after its first `steps_before`."""
+    steps = [st for t in rt.describe(cid)["turns"] for st in t["steps"]][steps_before:]
+    return {e["reason"] for st in steps for e in st["uncached"]}
+
+
+def test_kill_9_of_a_worker_under_traffic_loses_no_acknowledged_step(pool):
+    """What an operator does: four agents step in a loop and w1's whole process
+    tree (its server and its scheduler processes) gets SIGKILL once six steps
+    are acknowledged, with requests in flight, and the agents keep stepping.
+    Each of w1's conversations has a step acknowledged within 5 s of the death,
+    on w0, its history rebuilt by prefill (`backend_lost`); w0's conversations
+    count nothing lost; every acknowledged step is in its conversation
+    afterwards, nothing else is."""
+    rt = pool
+    cids = [rt.create_conversation(system=SYSTEM + "kill" + str(i), policy="drop", tenant="workers")
+            for i in range(4)]
+    on_w1 = {c for c in cids if _where(rt, c) == "w1"}
+    assert on_w1 and len(on_w1) < len(cids)
+    acked: dict = {c: [] for c in cids}
+    failed: list[str] = []
+    done = threading.Event()
+    threads = _traffic(rt, cids, acked, failed, done)
     try:
         deadline = time.monotonic() + 300
-        while sum(acked.values()) < 6 and time.monotonic() < deadline:
+        while sum(map(len, acked.values())) < 6 and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.killpg(rt.backend.workers["w1"].server.process.pid, signal.SIGKILL)
+        before = {c: len(acked[c]) for c in cids}
+        server = rt.backend.workers["w1"].server
+        tree = [server.process.pid, *server.members]
+        assert len(tree) >= 3, tree  # the server, its scheduler and its detokenizer
+        killed_at = time.monotonic()
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL)
         for t in threads:
             t.join(timeout=600)
         assert not any(t.is_alive() for t in threads)
+        recovery = _recovered(acked, on_w1, killed_at)
+        assert max(recovery.values()) <= 5.0, recovery
         for c in cids:
             d = rt.describe(c)
-            assert sum(len(t["steps"]) for t in d["turns"]) == acked[c] == 8, (c, d["turns"], acked[c])
+            assert sum(len(t["steps"]) for t in d["turns"]) == len(acked[c]) == 8, (c, d["turns"], acked[c])
             assert len(d["turns"]) == 4 and not d["pending_tool_calls"]
             assert d["worker"] == "w0"  # w1's conversations moved; w0's stayed
+            assert ("backend_lost" in _lost_after(rt, c, before[c])) == (c in on_w1), c
         assert set(failed) <= on_w1 and rt.backend.moves >= len(on_w1)
         rt.backend.workers["w0"].check_integrity()
     finally:
+        done.set()
         for c in cids:
             rt.delete_conversation(c)
 
@@ -225,10 +257,83 @@ def test_a_worker_that_comes_back_rejoins(pool):
             rt.delete_conversation(c)
 
 
+def test_a_hung_worker_is_left_within_seconds_and_rejoins_when_it_answers(pool):
+    """w0 (given by URL, as --sglang-url) stops answering with requests in
+    flight: SIGSTOP of its whole process group, so it still accepts
+    connections and never answers. Its steps in flight fail retryably and its
+    conversations go on on w1 within 5 s of the stop; once it runs again
+    (SIGCONT) it rejoins, and nothing acknowledged is lost."""
+    rt = pool
+    w0 = rt.backend.workers["w0"]
+    assert w0.server is None and rt.backend.check_health() == {"w0": True, "w1": True}
+    cids = [rt.create_conversation(system=SYSTEM + "hung" + str(i), policy="drop", tenant="workers")
+            for i in range(4)]
+    on_w0 = {c for c in cids if _where(rt, c) == "w0"}
+    assert on_w0 and len(on_w0) < len(cids)
+    acked: dict = {c: [] for c in cids}
+    failed: list[str] = []
+    done = threading.Event()
+    pgid = os.getpgid(_server_pid(w0.url))
+    threads = _traffic(rt, cids, acked, failed, done, turns=3)
+    try:
+        deadline = time.monotonic() + 300
+        while sum(map(len, acked.values())) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stopped_at = time.monotonic()
+        os.killpg(pgid, signal.SIGSTOP)
+        try:
+            while time.monotonic() < stopped_at + 30 and max(_recovered(acked, on_w0, stopped_at).values()) > 30:
+                time.sleep(0.1)
+            recovery = _recovered(acked, on_w0, stopped_at)
+            assert max(recovery.values()) <= 5.0, recovery
+            assert {w["id"]: w["up"] for w in rt.backend.describe_workers()}["w0"] is False
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=600)
+        assert not any(t.is_alive() for t in threads)
+        deadline = time.monotonic() + 30
+        while not rt.backend.check_health()["w0"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert rt.backend.check_health()["w0"], "w0 did not rejoin once it answered again"
+        for c in cids:
+            d = rt.describe(c)
+            assert sum(len(t["steps"]) for t in d["turns"]) == len(acked[c]) == 6, (c, d["turns"], acked[c])
+            assert d["worker"] == "w1"  # w0's moved; w1's stayed
+        assert set(failed) <= on_w0
+        w0.check_integrity()
+    finally:
+        done.set()
+        for c in cids:
+            rt.delete_conversation(c)
+
+
+def _server_pid(url: str) -> int:
+    """The pid of the process that listens on the URL's port (from /proc/net/tcp)."""
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # LISTEN
+                    inodes.add(cols[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").strip("socket:[]") in inodes for fd in fds):
+                return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no process listens on port {port}")
+
+
 def test_a_conversation_whose_worker_is_known_down_moves_on_its_next_step(pool):
-    """Once /health lists a worker as down, the next step of a conversation
-    placed on it is served at once by a live worker (200, its history
-    prefilled there), not refused and not left waiting on the dead one."""
+    """w1's scheduler and detokenizer die, its server process lives on (and
+    answers nothing): once /health lists it as down, the next step of a
+    conversation placed on it is served at once by a live worker (200, its
+    history prefilled there), not refused and not left waiting on the dead
+    one, and the runtime starts w1 again (it launched it)."""
     rt = pool
     cids = [rt.create_conversation(system=SYSTEM + "down" + str(i), policy="drop", tenant="workers")
             for i in range(6)]
@@ -237,11 +342,14 @@ def test_a_conversation_whose_worker_is_known_down_moves_on_its_next_step(pool):
         assert on_w1, "no conversation was placed on w1"
         for c in on_w1:
             rt.send_message(c, "First turn.", forced=DONE)
-        os.killpg(rt.backend.workers["w1"].server.process.pid, signal.SIGKILL)
+        w1 = rt.backend.workers["w1"]
+        for pid in w1.server.members:
+            os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while rt.backend.check_health()["w1"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert {w["id"]: w["up"] for w in rt.backend.describe_workers()}["w1"] is False
+        assert w1.revive(), "the runtime does not start w1 again"
         for c in on_w1:
             t0 = time.monotonic()
             step = rt.send_message(c, "Second turn.", forced=DONE)

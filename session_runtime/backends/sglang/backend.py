@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable, Optional, Sequence
 
 import httpx
@@ -87,6 +88,10 @@ class SGLangBackend(Backend):
         self.last_answer = time.monotonic()  # when the server last sent anything (a chunk, a command's answer)
         self._streams: dict[object, bool] = {}  # open step streams -> abandoned (the server stopped answering)
         self._streams_lock = threading.Lock()
+        # Commands run on these threads; their callers wait for the answer or for
+        # `abandon`, whichever comes first (a hung server's answer never comes).
+        self._commands = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sglang-command")
+        self._gone: Future = Future()  # resolved by abandon(): the commands waiting then fail
         self.http = http if http is not None else control.http  # commands and checks
         # A step's own request: lean keep-alive connections, with the same key (direct_http.py)
         self.step_http = DirectPool(self.url, headers={k: v for k, v in self.http.headers.items()
@@ -326,15 +331,18 @@ class SGLangBackend(Backend):
 
     def abandon(self) -> int:
         """The server stopped answering (hung, or its processes died): close
-        every step stream open on it, so those steps fail at once with the
-        retryable BackendUnavailable and change nothing, rather than wait for
-        the read timeout. Returns how many were open."""
+        every step stream open on it, and stop waiting for the commands sent
+        to it, so those steps and commands fail at once with the retryable
+        BackendUnavailable rather than wait for their read timeouts (a step so
+        failed changes nothing). Returns how many steps were open."""
         with self._streams_lock:
             open_now = list(self._streams)
             for resp in open_now:
                 self._streams[resp] = True
+            gone, self._gone = self._gone, Future()
         for resp in open_now:
             resp.hang_up()
+        gone.set_result(None)
         return len(open_now)
 
     # ----- a launched server that dies is started again ------------------------
@@ -428,12 +436,21 @@ class SGLangBackend(Backend):
 
     def _send(self, name: str, **args):
         self._check_server()
+        with self._streams_lock:
+            gone = self._gone
         try:
-            answer = self.control.call(name, **args)
-            self.last_answer = time.monotonic()
-            return answer
+            command = self._commands.submit(self.control.call, name, **args)
+        except RuntimeError:  # its threads are shut down
+            raise BackendUnavailable(f"the runtime closed its connection to SGLang at {self.url}") from None
+        wait((command, gone), return_when=FIRST_COMPLETED)
+        if not command.done():
+            raise BackendUnavailable(self._down(f"it stopped answering; the {name!r} command is not awaited"))
+        try:
+            answer = command.result()
         except ChannelDown as exc:
             raise BackendUnavailable(self._down(exc.message)) from None
+        self.last_answer = time.monotonic()
+        return answer
 
     def probe(self, namespace: Namespace, tokens: Sequence[int]) -> ProbeResult:
         tokens = list(tokens)[: max(len(tokens) - 1, 0)]
@@ -575,6 +592,7 @@ class SGLangBackend(Backend):
     def close(self) -> None:
         self._stop.set()
         self.after.close()
+        self._commands.shutdown(wait=False, cancel_futures=True)
         self.http.close()
         self.step_http.close()
         if self.server is not None:
