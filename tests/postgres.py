@@ -39,8 +39,16 @@ class PostgresServer:
             self._as = ["runuser", "-u", "postgres", "--"]
         self._run(_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
                   "--no-sync")
+        self.start()
+
+    def start(self) -> None:
         self._run(_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"), "-w", "-t", "60", "start",
                   "-o", f"-k {self.root} -p {self.port} -c listen_addresses=127.0.0.1 -c max_connections=200")
+
+    def crash(self) -> None:
+        """Stop at once, as a crash would (every connection dropped, no
+        checkpoint); `start` brings it back on the same port with its data."""
+        self._run(_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
 
     def _run(self, *argv: str) -> None:
         done = subprocess.run([*self._as, *argv], capture_output=True, text=True, timeout=120)
@@ -62,6 +70,6 @@ class PostgresServer:
 
     def stop(self) -> None:
         try:
-            self._run(_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+            self.crash()
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
