@@ -105,6 +105,33 @@ class StorageUnavailable(RuntimeErrorBase):
     error_type = "storage_unavailable"
 
 
+class StorageFull(StorageUnavailable):
+    """The store has no room left (its disk, or its database's): the change
+    was not made; it goes through once space is freed."""
+
+    status = 507
+    error_type = "storage_full"
+
+
+def storage_failure(what: str, exc: BaseException) -> StorageUnavailable:
+    """The error for `what` (the change that was not saved, and so not made)
+    failing with `exc`: StorageFull when the store is out of room (SQLite's
+    SQLITE_FULL, the disk's ENOSPC or EDQUOT, PostgreSQL's disk_full), else
+    StorageUnavailable."""
+    import errno
+    import sqlite3
+
+    seen = exc
+    while seen is not None:
+        full = (isinstance(seen, sqlite3.Error) and getattr(seen, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+                or isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT)
+                or getattr(seen, "sqlstate", None) == "53100")
+        if full:
+            return StorageFull(f"{what}: the store is full ({exc}); free space and send it again")
+        seen = seen.__cause__ or seen.__context__
+    return StorageUnavailable(f"{what}: {exc}")
+
+
 class TooManyConversations(RuntimeErrorBase):
     """The tenant already has as many conversations as the server keeps for one."""
 

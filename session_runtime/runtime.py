@@ -21,7 +21,7 @@ from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation
 from session_runtime.backends.base import Cancellation, create_backend
-from session_runtime.errors import (BackendUnavailable, StorageUnavailable, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
+from session_runtime.errors import (BackendUnavailable, storage_failure, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
 from session_runtime.auto_policy import AutoPolicy
 from session_runtime.materializer import Materializer
@@ -218,7 +218,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                 self.conversations.pop(conv.id, None)
                 self._conv_locks.pop(conv.id, None)
             self.backend.release(conv.id)
-            raise StorageUnavailable(f"the conversation could not be saved, so it was not created: {exc}") from exc
+            raise storage_failure("the conversation could not be saved, so it was not created", exc) from exc
         self._evict_idle()
         return conv.id
 
@@ -376,7 +376,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                 try:
                     self.store.delete(conv.id)
                 except Exception as exc:
-                    raise StorageUnavailable(f"the delete could not be saved, so it did not happen: {exc}") from exc
+                    raise storage_failure("the delete could not be saved, so it did not happen", exc) from exc
             self._unstored.delete(conv.id)
             self.sessions.forget(conv.id)
             if conv.turns:  # how long conversations last: policy auto expects the rest of the others by it

@@ -20,7 +20,7 @@ from session_runtime.constrained.spec import NONE as NO_CONSTRAINT, OutputConstr
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.policies import MaterializeSettings
 from session_runtime.backends.base import Cancellation, ChainState, StepRequest, StepResult, Transcript
-from session_runtime.errors import BackendUnavailable, InvalidRequest, ShuttingDown, StorageUnavailable
+from session_runtime.errors import BackendUnavailable, InvalidRequest, ShuttingDown, storage_failure
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
 from session_runtime.templates import Message, Template, ToolCall
@@ -171,7 +171,7 @@ class StepPath:
             self._persist(conv)  # before the response returns
         except Exception as exc:
             undo()
-            raise StorageUnavailable(f"the step could not be saved, so it did not happen: {exc}") from exc
+            raise storage_failure("the step could not be saved, so it did not happen", exc) from exc
         return step
 
     _RULES = ("keep", "drop")

@@ -69,7 +69,7 @@ _OPENAI_STATUS = {
     401: (401, "authentication_error"),
     403: (403, "permission_error"),
     422: (400, "invalid_request_error"),  # a malformed body or bad input
-    507: (503, "server_error"),  # the KV pool is full: OpenAI has no 507
+    507: (503, "server_error"),  # the KV pool or the store is full: OpenAI has no 507
 }
 # The session API's type -> OpenAI's code (None: OpenAI's null); others as they are.
 _OPENAI_CODE = {"context_too_long": "context_length_exceeded", "unauthorized": "invalid_api_key",
@@ -102,7 +102,7 @@ _ANTHROPIC_STATUS = {
     # "overloaded", which its SDK retries.
     502: (529, "overloaded_error"),
     503: (529, "overloaded_error"),
-    507: (529, "overloaded_error"),  # the KV pool is full
+    507: (529, "overloaded_error"),  # the KV pool or the store is full
 }
 
 

@@ -34,7 +34,8 @@ from session_runtime.step import Step
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 # The chat route's error codes (the session API's kinds) that are Anthropic's
 # "overloaded" (worth a retry later) or "rate limited".
-_OVERLOADED = {"pool_exhausted", "backend_unavailable", "unavailable", "storage_unavailable", "upstream_unavailable"}
+_OVERLOADED = {"pool_exhausted", "backend_unavailable", "unavailable", "storage_unavailable", "storage_full",
+               "upstream_unavailable"}
 _RATE_LIMITED = {"conversation_limit", "storage_limit"}
 _ANTHROPIC_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
                     "request_too_large", "rate_limit_error", "api_error", "overloaded_error"}
