@@ -176,6 +176,20 @@ def _traffic(rt, cids, acked, failed, done, retry_s=0.2, turns=4):
     return threads
 
 
+def _conversations(rt, tag: str, victim: str) -> tuple[list[str], set[str]]:
+    """Four conversations, and those of them placed on `victim` (some, not all)."""
+    cids = [rt.create_conversation(system=SYSTEM + tag + str(i), policy="drop", tenant="workers") for i in range(4)]
+    on_victim = {c for c in cids if _where(rt, c) == victim}
+    assert on_victim and len(on_victim) < len(cids)
+    return cids, on_victim
+
+
+def _wait_acked(acked: dict, n: int) -> None:
+    deadline = time.monotonic() + 300
+    while sum(map(len, acked.values())) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _recovered(acked: dict, cids, since: float) -> dict:
     """Seconds from `since` to each conversation's first acknowledged step after it."""
     return {c: min((t for t in acked[c] if t > since), default=float("inf")) - since for c in cids}
@@ -196,18 +210,13 @@ def test_kill_9_of_a_worker_under_traffic_loses_no_acknowledged_step(pool):
     count nothing lost; every acknowledged step is in its conversation
     afterwards, nothing else is."""
     rt = pool
-    cids = [rt.create_conversation(system=SYSTEM + "kill" + str(i), policy="drop", tenant="workers")
-            for i in range(4)]
-    on_w1 = {c for c in cids if _where(rt, c) == "w1"}
-    assert on_w1 and len(on_w1) < len(cids)
+    cids, on_w1 = _conversations(rt, "kill", "w1")
     acked: dict = {c: [] for c in cids}
     failed: list[str] = []
     done = threading.Event()
     threads = _traffic(rt, cids, acked, failed, done)
     try:
-        deadline = time.monotonic() + 300
-        while sum(map(len, acked.values())) < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_acked(acked, 6)
         before = {c: len(acked[c]) for c in cids}
         server = rt.backend.workers["w1"].server
         tree = [server.process.pid, *server.members]
@@ -266,19 +275,14 @@ def test_a_hung_worker_is_left_within_seconds_and_rejoins_when_it_answers(pool):
     rt = pool
     w0 = rt.backend.workers["w0"]
     assert w0.server is None and rt.backend.check_health() == {"w0": True, "w1": True}
-    cids = [rt.create_conversation(system=SYSTEM + "hung" + str(i), policy="drop", tenant="workers")
-            for i in range(4)]
-    on_w0 = {c for c in cids if _where(rt, c) == "w0"}
-    assert on_w0 and len(on_w0) < len(cids)
+    cids, on_w0 = _conversations(rt, "hung", "w0")
     acked: dict = {c: [] for c in cids}
     failed: list[str] = []
     done = threading.Event()
     pgid = os.getpgid(_server_pid(w0.url))
     threads = _traffic(rt, cids, acked, failed, done, turns=3)
     try:
-        deadline = time.monotonic() + 300
-        while sum(map(len, acked.values())) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_acked(acked, 4)
         stopped_at = time.monotonic()
         os.killpg(pgid, signal.SIGSTOP)
         try:
