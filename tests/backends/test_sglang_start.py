@@ -134,7 +134,7 @@ def test_a_port_taken_before_the_server_binds_it_is_tried_again_elsewhere(tmp_pa
     class Spec:
         host: str = "127.0.0.1"
         port: int = 0
-        log_path: str = str(tmp_path / "fake.log")
+        log_path: str = str(tmp_path / "data" / "fake.log")  # a data folder not made yet (the router's log)
         name: str = "the stand-in server"
 
         def argv(self, port):
@@ -151,7 +151,7 @@ def test_a_port_taken_before_the_server_binds_it_is_tried_again_elsewhere(tmp_pa
     try:
         assert time.monotonic() - t0 < 30  # not the start timeout
         assert server.url != f"http://127.0.0.1:{taken.getsockname()[1]}" and ready(server.url)
-        assert "error while attempting to bind" in (tmp_path / "fake.log").read_text()  # the first try's
+        assert "error while attempting to bind" in (tmp_path / "data" / "fake.log").read_text()  # the first try's
     finally:
         server.stop()
         taken.close()

@@ -271,6 +271,7 @@ def _launch_once(spec, port: int, ready, timeout_s: float, on_spawn, env: Option
     env = launch_env(spec, os.environ) if env is None else env
     what = getattr(spec, "name", "SGLang's server")
     t0 = time.monotonic()
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)  # a data folder the runtime has not made yet
     with open(log_path, "ab") as log:
         start = log.tell()  # a relaunch appends to the old log: only what this start wrote counts
         proc = subprocess.Popen(spec.argv(port), stdout=log, stderr=subprocess.STDOUT, env=env,
