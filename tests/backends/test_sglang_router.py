@@ -61,6 +61,11 @@ def test_the_router_is_launched_with_the_cache_aware_policy_over_every_worker():
     i = argv.index("--worker-urls")
     assert argv[i + 1:i + 3] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert argv[argv.index("--policy") + 1] == "cache_aware" and argv[argv.index("--port") + 1] == "30000"
+    # Its metrics on loopback, on a free port of its own: two runtime processes over the same
+    # workers each run a router (sglang-router's default, 29000 on every interface, lets one).
+    other = RouterSpec(worker_urls=("http://127.0.0.1:1",)).argv(30001)
+    assert argv[argv.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--prometheus-port") + 1] != other[other.index("--prometheus-port") + 1]
 
 
 def test_a_stateless_owner_goes_to_the_router_while_it_runs_and_else_to_a_worker():

@@ -35,7 +35,7 @@ from radix_ext.tree import Namespace, NodeInfo
 from session_runtime.backends.base import HoldsNoChain, StepRequest, StepResult
 from session_runtime.backends.sglang.backend import SGLangBackend
 from session_runtime.backends.sglang.control_client import client
-from session_runtime.backends.sglang.launcher import LaunchedServer, LaunchFailed, launch
+from session_runtime.backends.sglang.launcher import LaunchedServer, LaunchFailed, free_port, launch
 from session_runtime.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,10 @@ class RouterSpec:
     port: Optional[int] = None  # None: a free one
     log_path: Optional[str] = None
     health_interval_s: int = 10  # the router's own checks (its default is 60 s)
+    # Its Prometheus exporter's port. None: a free one; its default, 29000 on every
+    # interface, lets only one router run on a machine (a second runtime process's
+    # router exited with "Address already in use").
+    metrics_port: Optional[int] = None
 
     def argv(self, port: int) -> list[str]:
         return [
@@ -62,6 +66,7 @@ class RouterSpec:
             "--worker-urls", *self.worker_urls,
             "--policy", self.policy,
             "--health-check-interval-secs", str(self.health_interval_s),
+            "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port or free_port(self.host)),
             "--log-level", "warn",
         ]
 
