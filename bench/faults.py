@@ -10,7 +10,7 @@ fleet: each conversation has one owner, the other relays to it). `--agents`
 agents, a third each on the session API, Chat with `conversation_id` and
 stateless Messages (the whole history each request, as a harness sends it),
 half on each runtime process, step until the end, retrying a 502/503/504 or a
-refused connection every 0.5 s (an agent whose process is down goes to the
+refused connection every 0.5 s (Messages: a 529) (an agent whose process is down goes to the
 other one). At random times (each in its own fifth of the run) a worker, a
 runtime process and PostgreSQL are each killed (SIGKILL of the process group;
 PostgreSQL stopped `immediate`) and started again (the worker and the
@@ -20,7 +20,7 @@ Counted: every acknowledged step (HTTP 200), by the user message it sent;
 afterwards each conversation's stored trace (read from a live process) must
 hold every one of them in order (lost = acknowledged but not stored; extra =
 stored but never acknowledged: a step whose answer the fault took);
-non-retryable answers (anything but 200, 502, 503, 504); and each fault's
+non-retryable answers (anything but 200, 502, 503, 504 and Messages' 529); and each fault's
 recovery: for each agent that failed after the fault, the seconds from the
 fault to its first 200. Targets: 0 lost, 0 non-retryable, recovery p99 at most
 5 s after a worker or runtime death.
@@ -48,7 +48,7 @@ from report import write_report  # noqa: E402  (bench/ is on sys.path when run)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RETRYABLE = (502, 503, 504)
+RETRYABLE = (502, 503, 504, 529)  # 529: Anthropic's "overloaded", its SDK retries it
 PROTOCOLS = ("session", "chat", "messages")
 CONTEXT = 4096
 

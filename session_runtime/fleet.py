@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from session_runtime.errors import StorageUnavailable
 from session_runtime.placement import place, ring
 from session_runtime.store_pg import connect
 
@@ -76,10 +77,17 @@ class Fleet:
         self._beat()
 
     def _sql(self, query: str, params: tuple = ()):
+        """Raises StorageUnavailable (the routes' retryable 503) while the store
+        cannot be reached."""
+        import psycopg
+
         with self._lock:
-            if self._db.broken or self._db.closed:  # the server restarted, or dropped us
-                self._db = connect(self.url)
-            return self._db.execute(query, params)
+            try:
+                if self._db.broken or self._db.closed:  # the server restarted, or dropped us
+                    self._db = connect(self.url)
+                return self._db.execute(query, params)
+            except psycopg.OperationalError as exc:
+                raise StorageUnavailable(f"the store cannot be reached, nothing changed: {exc}") from exc
 
     # ----- membership -------------------------------------------------------------
 

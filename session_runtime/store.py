@@ -21,10 +21,12 @@ import os
 import sqlite3
 import threading
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional
 
 from session_runtime.conversation import Conversation
+from session_runtime.errors import StorageUnavailable
 from session_runtime.inference import StoredInferred
 from session_runtime.store_delta import Written, delta, written_of
 from session_runtime.store_rows import conversation_of, legacy_conversation, parked_row, unpark
@@ -105,9 +107,22 @@ class Store:
         self._written: dict[str, Written] = {}  # conversations in memory: what the store holds of each
         self._migrate()
 
+    failures: tuple = (sqlite3.Error,)  # what its driver raises when the store cannot be used
+
     def _sql(self, query: str, params: tuple = ()):
         """Run one statement (written with `?` placeholders)."""
         return self._db.execute(query, params)
+
+    @contextmanager
+    def _reading(self):
+        """The store's lock, for a read. A store that cannot be read (PostgreSQL
+        down or restarting, a disk error) raises StorageUnavailable: the
+        routes answer it with the retryable 503, as a write that fails."""
+        with self._lock:
+            try:
+                yield
+            except self.failures as exc:
+                raise StorageUnavailable(f"the store cannot be read, nothing changed: {exc}") from exc
 
     def describe(self) -> str:
         return f"SQLite {self.path}"
@@ -185,25 +200,25 @@ class Store:
 
     def index(self) -> list[Stored]:
         """Every stored conversation's id, tenant, worker and bytes, least recently written first."""
-        with self._lock:
+        with self._reading():
             rows = self._sql("SELECT id, tenant, worker, bytes FROM conv ORDER BY updated_at").fetchall()
         return [Stored(*row) for row in rows]
 
     def stored(self, conversation_id: str) -> Optional[Stored]:
         """One conversation's index row (another process may have written it since start-up)."""
-        with self._lock:
+        with self._reading():
             row = self._sql("SELECT id, tenant, worker, bytes FROM conv WHERE id = ?", (conversation_id,)).fetchone()
         return None if row is None else Stored(*row)
 
     def find_tail(self, tail: bytes) -> Optional[str]:
         """The inferred conversation whose transcript has the tail digest `tail` (inference.py), if one is stored."""
-        with self._lock:
+        with self._reading():
             row = self._sql("SELECT conv FROM inferred WHERE tail = ?", (tail.hex(),)).fetchone()
         return None if row is None else row[0]
 
     def inferred(self) -> list[StoredInferred]:
         """Every stored inferred conversation, with its idle time (since its last write)."""
-        with self._lock:
+        with self._reading():
             rows = self._sql(f"SELECT i.conv, c.tenant, i.protocol, i.tail, {self.now} - c.updated_at "
                              "FROM inferred i JOIN conv c ON c.id = i.conv").fetchall()
         return [StoredInferred(cid, tenant, protocol, bytes.fromhex(tail), float(idle) * self.seconds_per_tick)
@@ -221,7 +236,7 @@ class Store:
     def load(self, conversation_id: str) -> Optional[tuple[Conversation, bool]]:
         """The stored conversation (None: there is none), and whether what this
         process knew of its KV came back with it (it was parked here)."""
-        with self._lock:
+        with self._reading():
             row = self._sql("SELECT tenant, worker, head, state, parked FROM conv WHERE id = ?",
                             (conversation_id,)).fetchone()
             if row is None:

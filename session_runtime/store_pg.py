@@ -45,6 +45,7 @@ class PgStore(Store):
         import psycopg
 
         self.url = check_url(url)
+        self.failures = (psycopg.Error,)
         try:
             self._db = connect(url)
         except psycopg.Error as exc:

@@ -1,6 +1,6 @@
 """The store's faults under traffic, as an operator meets them: PostgreSQL
 restarted (crashed, then started again) while `session-runtime serve` takes
-steps. While it is down, steps fail with the retryable 503 and change
+steps, on the session API and from a stateless harness session (Messages). While it is down, steps fail with the retryable 503 and change
 nothing; once it is back they succeed again by themselves (the store
 reconnects); every acknowledged step is stored, and nothing else is."""
 
@@ -35,24 +35,36 @@ def test_postgresql_restarted_under_traffic_loses_no_acknowledged_step(tmp_path)
         cids = [httpx.post(f"{url}/v1/conversations", json={"system": f"Store {i}."}).json()["id"] for i in range(4)]
 
         def agent(cid: str) -> None:
-            acked[cid] = []
+            """Session API steps; `cid` None: stateless Messages requests, the
+            whole history each time, as a harness sends them."""
+            history: list[dict] = []
             with httpx.Client(base_url=url, timeout=30) as c:
                 k = 0
                 while not stop.is_set():
                     text = f"message {k}"
-                    r = c.post(f"/v1/conversations/{cid}/messages",
-                               json={"content": text, "forced": {"content": f"answer {k}"}})
+                    if cid is None:
+                        r = c.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": [
+                            *history, {"role": "user", "content": text}]})
+                    else:
+                        r = c.post(f"/v1/conversations/{cid}/messages",
+                                   json={"content": text, "forced": {"content": f"answer {k}"}})
                     if r.status_code == 200:
-                        acked[cid].append(text)
+                        key = cid or r.headers["x-session-runtime-conversation"]
+                        acked.setdefault(key, []).append(text)
+                        if cid is None:
+                            history += [{"role": "user", "content": text},
+                                        {"role": "assistant", "content": r.json()["content"]}]
                         k += 1
-                    elif r.status_code == 503:  # nothing changed: the same message again
+                    elif r.status_code in (503, 529):  # nothing changed (529: Messages'): the same again
                         retried.append(time.monotonic())
                         time.sleep(0.1)
                     else:
                         refused.append((r.status_code, r.text[:300]))
                         return
 
-        threads = [threading.Thread(target=agent, args=(cid,)) for cid in cids]
+        for cid in cids:
+            acked[cid] = []
+        threads = [threading.Thread(target=agent, args=(cid,)) for cid in [*cids, None]]
         for t in threads:
             t.start()
 
@@ -75,8 +87,9 @@ def test_postgresql_restarted_under_traffic_loses_no_acknowledged_step(tmp_path)
             t.join(30)
         assert not refused, refused
         assert any(down_at < t < up_at for t in retried), "no step failed while PostgreSQL was down"
+        assert len(acked) == len(cids) + 1, list(acked)  # the stateless session stayed one conversation
         with httpx.Client(base_url=url, timeout=30) as c:
-            for cid in cids:
+            for cid in acked:
                 users = [m["content"] for m in c.get(f"/v1/conversations/{cid}").json()["trace"] if m["role"] == "user"]
                 assert users == acked[cid], (cid, users, acked[cid])
     finally:
@@ -87,7 +100,7 @@ def test_postgresql_restarted_under_traffic_loses_no_acknowledged_step(tmp_path)
     _drain(proc)
     try:
         with httpx.Client(base_url=url, timeout=30) as c:
-            for cid in cids:
+            for cid in acked:
                 d = c.get(f"/v1/conversations/{cid}").json()
                 users = [m["content"] for m in d["trace"] if m["role"] == "user"]
                 assert users == acked[cid], (cid, users, acked[cid])
