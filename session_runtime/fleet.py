@@ -121,6 +121,19 @@ class Fleet:
                 self._mine.clear()
                 self.on_lost()
 
+    def unreachable(self, member: str) -> None:
+        """A relay to `member` was refused: nothing listens at its address, so
+        its process is gone, whatever its last beat says. Its row goes now, so
+        that every member (and the claim's own check) sees it gone at once
+        rather than after its beat's TTL, and its conversations are taken over
+        at their next requests. A member that lives after all beats back in;
+        its writes stay fenced, so nothing is served twice."""
+        if member == self.id:
+            return
+        self._sql("DELETE FROM members WHERE id = %s", (member,))
+        log.warning("fleet: member %s refused a relayed request; its conversations are taken over now", member)
+        self._beat()
+
     def live(self) -> dict[str, str]:
         """{member id: URL} of the live members, as of the last beat."""
         return dict(self._live)

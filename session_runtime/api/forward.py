@@ -15,8 +15,11 @@ found this one its first choice), or refused with a 503 if another process
 took it meanwhile. Every response names the process that served it
 (`x-session-runtime-member`); a relayed one also names the process that
 relayed it (`x-session-runtime-via`). An owner that cannot be reached (it
-died, and its beat has not lapsed yet) is a 503 with Retry-After: the
-conversation's next request, after the beat lapses, is taken over.
+died, and its beat has not lapsed yet) is a 503 with Retry-After. One that
+refused the connection (nothing listens at its address: its process is gone)
+is struck from the members at once (`Fleet.unreachable`), so the
+conversation's next request takes it over without waiting for the beat to
+lapse; one that timed out waits for that.
 
 Pure ASGI middleware, inside the body checks (the body is read once here,
 already bounded and checked) and the key check (the owner checks the
@@ -38,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from session_runtime.api.auth import _header
 from session_runtime.api.content_type import read_body
 from session_runtime.api.errors import ApiError, error_response
-from session_runtime.errors import OwnedElsewhere
+from session_runtime.errors import OwnedElsewhere, StorageUnavailable
 from session_runtime.fleet import Route
 
 FORWARDED = b"x-session-runtime-forwarded"
@@ -126,9 +129,14 @@ class Forward:
         try:
             response = await self.client.send(request, stream=True)
         except _UNSENT as exc:  # nothing reached the owner: nothing changed, send it again later
+            if isinstance(exc, httpx.ConnectError):  # refused: it is gone; taken over at the next request
+                try:
+                    await run_in_threadpool(self.runtime.fleet.unreachable, route.owner)
+                except StorageUnavailable:
+                    pass  # the store is away too: its beat's TTL decides
             await self._unavailable(scope, send, f"the runtime process serving this conversation ({route.owner} at "
                                                  f"{route.url}) cannot be reached ({type(exc).__name__}); another "
-                                                 "takes it over once its beat lapses")
+                                                 "takes it over at once (send it again)")
             return
         except httpx.HTTPError as exc:
             # The owner had the request and stopped answering (killed mid-step): it

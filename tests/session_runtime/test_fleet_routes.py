@@ -125,3 +125,22 @@ def test_a_member_routes_its_own_without_the_store_until_its_beat_lapses(fleet):
     queries.clear()
     a.route("m2")
     assert queries  # no longer known: asked
+
+
+def test_an_owner_that_refused_a_relay_is_taken_over_at_once_and_beats_back_in(fleet):
+    """A refused connection means nothing listens at the owner's address: its
+    conversations are taken over at their next request, before its beat's TTL
+    has lapsed; an owner alive after all is a member again at its next beat."""
+    store, a, b = fleet
+    b._beat()
+    _owned(store, "c2", "a")
+    assert b.route("c2").url == "http://a"  # a's beat has not lapsed
+    b.unreachable("a")
+    assert set(b.live()) == {"b"}
+    route = b.route("c2")
+    assert route.url is None and route.claimed  # b takes it over now
+    a._beat()  # a was alive after all: it beats back in and the conversation stays b's
+    b._beat()
+    assert set(b.live()) == {"a", "b"} and a.route("c2").url == "http://b"
+    b.unreachable("b")  # never itself
+    assert "b" in b.live()
