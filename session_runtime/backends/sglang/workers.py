@@ -182,9 +182,10 @@ class WorkerPool(Backend):
         while not self._stop.wait(interval_s):
             try:
                 self.check_health()
-            except RuntimeError:  # its probes' threads shut down: the pool is closing
-                if not self._stop.is_set():
-                    raise
+            except Exception:  # the checks go on: a worker's state is read again next time
+                if self._stop.is_set():
+                    return  # its probes' threads shut down: the pool is closing
+                logger.exception("checking the SGLang workers' health failed")
 
     def check_health(self) -> dict[str, bool]:
         """Probe every worker at once. One that answers again rejoins; one
