@@ -29,7 +29,7 @@ import threading
 import urllib.parse
 import urllib.request
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 
 class TransportError(Exception):
@@ -211,17 +211,34 @@ class DirectPool:
         self._ssl: Optional[ssl.SSLContext] = None
 
     @contextmanager
-    def post(self, path: str, body: bytes, headers: Optional[dict] = None) -> Iterator[DirectResponse]:
+    def post(self, path: str, body: bytes, headers: Optional[dict] = None,
+             opened: Optional[Callable[[Callable[[], None]], None]] = None) -> Iterator[DirectResponse]:
         """POST `body` to `path` under the base URL. Raises TransportError when the
-        server cannot be reached or the connection breaks before its answer."""
+        server cannot be reached or the connection breaks before its answer.
+        `opened` is given, once connected and before the request is sent, a
+        function that hangs up from another thread, before the answer's head
+        has come (a server that accepts and never answers) or after it."""
         conn = self._take()
         target = self.base_path + path
         if self.proxy is not None and self.scheme == "http":  # a plain proxy takes the whole URL
             target = f"http://{self.host}:{self.port}{target}"
+        out: Optional[DirectResponse] = None
+
+        def hang_up() -> None:
+            if out is not None:
+                out.hang_up()
+            elif conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)  # getresponse() returns at once, failed
+                except OSError:
+                    pass
+
         try:
             if conn.sock is None:
                 conn.connect()
                 conn.sock.settimeout(self.timeout_s)
+            if opened is not None:
+                opened(hang_up)
             conn.request("POST", target, body, {**self.headers, **(headers or {})})
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as exc:
