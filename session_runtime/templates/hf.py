@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+from collections import OrderedDict
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -32,12 +33,14 @@ from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import KeepReasoning, Message, ParsedOutput, Rendered, ToolCall, message_groups
 from session_runtime.templates.hf_parse import parser_for
-from session_runtime.templates.official import (OfficialRenderer, RenderedText, prefix_digests, read_chat_template,
-                                               special_token_kwargs)
+from session_runtime.templates.hf_windows import WindowedRender, WindowMismatch, windows_hold
+from session_runtime.templates.official import (OfficialRenderer, RenderedText, blob, prefix_digests,
+                                               read_chat_template, special_token_kwargs)
 from session_runtime.tokenizer import Tokenizer
 
 _SENTINEL = "\ue001next\ue001"  # a user message's content no client text spells
 _KIND = {"user": "user", "assistant": "answer", "tool": "tool_result", "system": "system"}
+_MESSAGE_DICTS = 1 << 16  # messages whose template dicts are kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,10 @@ class HFTemplate:
         self._checks = BytesLRU(16 << 20, lambda key, v: 100 + 80 * len(v.groups))  # _marks
         heads = BytesLRU(64 << 20, lambda key, spans: 2 * len(key) + sum(8 * len(ids) + 100 for _, ids in spans))
         self._heads = lambda key: heads.get_or_compute(key, lambda: self._head_spans(key))
+        self._message_dicts: OrderedDict = OrderedDict()  # id(message) -> (message, dict, blob)
+        self.windowed: Optional[WindowedRender] = WindowedRender(self)  # None: rendered whole
+        if not windows_hold(self):
+            self.windowed = None
 
     # ----- the folder -------------------------------------------------------------
 
@@ -132,20 +139,33 @@ class HFTemplate:
 
     def _dicts(self, system: Optional[str], messages: Sequence[Message]) -> list[dict]:
         out = [{"role": "system", "content": system}] if system is not None else []
-        for m in messages:
-            if m.role == "assistant":
-                d = {"role": "assistant", "content": m.content}
-                if m.reasoning:
-                    d[self._thinking_field] = m.reasoning
-                if m.tool_calls:
-                    d["tool_calls"] = [{"id": c.id, "type": "function",
-                                        "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
-                out.append(d)
-            elif m.role == "tool":
-                out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content})
-            else:
-                out.append({"role": "user", "content": m.content})
-        return out
+        return out + [self._dict(m)[0] for m in messages]
+
+    def _dict(self, m: Message) -> tuple[dict, bytes]:
+        """A message as the template takes it, and its bytes in a digest (kept
+        per message object: a step renders the same history several times)."""
+        hit = self._message_dicts.get(id(m))
+        if hit is not None and hit[0] is m:
+            return hit[1], hit[2]
+        if m.role == "assistant":
+            d = {"role": "assistant", "content": m.content}
+            if m.reasoning:
+                d[self._thinking_field] = m.reasoning
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        elif m.role == "tool":
+            d = {"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content}
+        else:
+            d = {"role": "user", "content": m.content}
+        b = blob(d)
+        self._message_dicts[id(m)] = (m, d, b)  # the message kept alive: its id is not reused meanwhile
+        while len(self._message_dicts) > _MESSAGE_DICTS:
+            self._message_dicts.popitem(last=False)
+        return d, b
+
+    def _blobs(self, dicts: list[dict], offset: int, messages: Sequence[Message]) -> list[bytes]:
+        return [blob(d) for d in dicts[:offset]] + [self._dict(m)[1] for m in messages]
 
     # ----- rendering ----------------------------------------------------------------
 
@@ -171,6 +191,13 @@ class HFTemplate:
             except InvalidRequest:  # it does not (Llama 3 puts the tools into the first user message)
                 pass
             return out
+        if self.windowed is not None and messages[0].role == "user":
+            try:
+                self.windowed.render(out, dicts, tools, offset, messages, groups, ends, first_kept, keep,
+                                     generation_prompt)
+                return out
+            except WindowMismatch:
+                out = Rendered()
         if first_kept is None:
             self._head(out, dicts, tools, offset, groups, ends, closed=True)
             start = len(groups)

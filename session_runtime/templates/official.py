@@ -188,14 +188,21 @@ class OfficialRenderer:
         return ids, starts
 
 
-def prefix_digests(messages: list[dict], tools: list[dict], at: Sequence[int], salt: object = None) -> list[bytes]:
-    """A digest of (salt, tools, messages[:i]) for each i in `at` (ascending), in one pass."""
+def prefix_digests(messages: list[dict], tools: list[dict], at: Sequence[int], salt: object = None,
+                   blobs: Optional[Sequence[bytes]] = None) -> list[bytes]:
+    """A digest of (salt, tools, messages[:i]) for each i in `at` (ascending), in
+    one pass. `blobs`: the messages' `blob`s where the caller keeps them."""
     h = hashlib.blake2b(json.dumps([salt, tools], ensure_ascii=False).encode("utf-8", "surrogatepass"),
                         digest_size=16)
     out, i = [], 0
     for end in at:
         while i < end:
-            h.update(json.dumps(messages[i], ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\x1e")
+            h.update(blobs[i] if blobs is not None else blob(messages[i]))
             i += 1
         out.append(h.copy().digest())
     return out
+
+
+def blob(message: dict) -> bytes:
+    """A message's bytes in a digest."""
+    return json.dumps(message, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\x1e"
