@@ -101,7 +101,7 @@ def check(conv: Conversation, tpl: Template, request: ChatInput) -> None:
         else:
             said = f"the request's system prompt differs from that of conversation {conv.id!r}"
         raise HistoryConflict(f"messages[0]: {said}: {_how(conv.id)}", param="messages")
-    at = first_difference(conv.trace_messages(), client_messages(tpl, request.history))
+    at = first_difference(conv.trace_messages(), client_messages(tpl, request.history, with_ids=False))
     if at is not None:
         index, why = at
         raise HistoryConflict(f"messages[{request.offset + index}] {why} conversation {conv.id!r}: {_how(conv.id)}",

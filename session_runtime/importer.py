@@ -16,8 +16,10 @@ from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import Message, Template, ToolCall
 
 
-def client_messages(tpl: Template, raw: Sequence[dict]) -> list[Message]:
-    """OpenAI messages (no system) to Messages with turn numbers. Raises InvalidRequest."""
+def client_messages(tpl: Template, raw: Sequence[dict], with_ids: bool = True) -> list[Message]:
+    """OpenAI messages (no system) to Messages with turn numbers. Raises
+    InvalidRequest. `with_ids=False`: assistant messages without the ids the
+    template gives them (a comparison that reads no ids skips the rendering)."""
     out: list[Message] = []
     turn = -1
     for i, m in enumerate(raw):
@@ -39,7 +41,7 @@ def client_messages(tpl: Template, raw: Sequence[dict]) -> list[Message]:
             reasoning = m.get("reasoning_content") or ""
             if not isinstance(reasoning, str):
                 raise InvalidRequest(f"messages[{i}].reasoning_content must be a string")
-            ids = tuple(tpl.forced_ids(reasoning, content, calls))
+            ids = tuple(tpl.forced_ids(reasoning, content, calls)) if with_ids else ()
             out.append(Message("assistant", turn, content, reasoning, calls, output_ids=ids))
         elif role == "tool":
             if not out or out[-1].role not in ("assistant", "tool"):

@@ -58,11 +58,12 @@ class WindowedRender:
         opens with a user message."""
         tpl = self.tpl
         users = [offset + i for i, m in enumerate(messages) if m.role == "user"]
+        blobs = tpl._blobs(dicts, offset, messages)
         if first_kept is None:
-            out_spans, start = self._closed_spans(dicts, tools, offset, messages, users, len(dicts)), len(groups)
+            out_spans, start = self._closed_spans(dicts, tools, offset, blobs, users, len(dicts)), len(groups)
         else:
             at = offset + ends[first_kept] - 1  # the first kept turn's user message
-            out_spans, start = self._closed_spans(dicts, tools, offset, messages, users, at), first_kept + 1
+            out_spans, start = self._closed_spans(dicts, tools, offset, blobs, users, at), first_kept + 1
             out_spans = out_spans + self._window([*dicts[:offset], dicts[at]], tools, offset, messages[at - offset:at - offset + 1],
                                                  closed=False)
         for kind, ids in out_spans:
@@ -78,7 +79,8 @@ class WindowedRender:
             w = _last_below(users, a if role == "user" else a + 1)  # the window opens at the turn's user message
             head = dicts[:offset]
             before, after = [*head, *dicts[w:a]], [*head, *dicts[w:b]]
-            ka, kb = prefix_digests(after, tools, [len(before), len(after)])
+            ka, kb = prefix_digests(after, tools, [len(before), len(after)],
+                                    blobs=[*blobs[:offset], *blobs[w:b]])
             if role == "assistant" and group[0].output_ids and keep(group[0].turn):
                 plain = tpl.official.render(before, tools, False, ka)
                 prompt = tpl.official.render(before, tools, True, ka)
@@ -92,19 +94,19 @@ class WindowedRender:
             carry = None
         if generation_prompt and messages and messages[-1].role != "assistant":
             window = [*dicts[:offset], *dicts[users[-1]:]]
-            prompt = tpl.official.render(window, tools, True)
-            base = tpl.official.text(window, tools, False)
+            key, = prefix_digests(window, tools, [len(window)], blobs=[*blobs[:offset], *blobs[users[-1]:]])
+            prompt = tpl.official.render(window, tools, True, key)
+            base = tpl.official.render(window, tools, False, key).text
             assert prompt.text.startswith(base), "generation prompt is not an append"
             add("generation_prompt", tpl.official.encode(prompt, len(base)))
 
-    def _closed_spans(self, dicts: list[dict], tools: list[dict], offset: int, messages: Sequence[Message],
+    def _closed_spans(self, dicts: list[dict], tools: list[dict], offset: int, blobs: list[bytes],
                       users: list[int], end: int) -> Spans:
         """The closed rendering of dicts[:end] (as it reads before a next user
         message): the system part, then each turn's closed window; kept per
         turn, so a step renders only the windows of turns closed since."""
         bounds = [u for u in users if offset < u < end] + [end]
-        digests = prefix_digests(dicts, tools, [offset, *bounds], salt=("closed", offset),
-                                 blobs=self.tpl._blobs(dicts, offset, messages[:end - offset]))
+        digests = prefix_digests(dicts, tools, [offset, *bounds], salt=("closed", offset), blobs=blobs)
         k = len(digests) - 1
         while k >= 0 and self._closed.get(digests[k]) is None:
             k -= 1
