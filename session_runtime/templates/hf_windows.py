@@ -50,7 +50,10 @@ class WindowedRender:
     def __init__(self, tpl: "HFTemplate"):
         self.tpl = tpl
         # digest of (tools, the messages before a user message) -> the closed head's spans
-        self._closed = BytesLRU(64 << 20, lambda key, spans: 100 + sum(8 * len(ids) + 60 for _, ids in spans))
+        size = lambda key, spans: 100 + sum(8 * len(ids) + 60 for _, ids in spans)  # noqa: E731
+        self._closed = BytesLRU(64 << 20, size)
+        # (window digests, role, id of the replayed message) -> (that message, the group's spans)
+        self._groups = BytesLRU(64 << 20, lambda key, hit: size(key, hit[1]))
 
     def render(self, out: Rendered, dicts: list[dict], tools: list[dict], offset: int, messages: Sequence[Message],
                groups: list, ends: list[int], first_kept: Optional[int], keep, generation_prompt: bool) -> None:
@@ -69,36 +72,55 @@ class WindowedRender:
         for kind, ids in out_spans:
             out.add(kind, list(ids))
         carry = None  # a stop token the model ended with that the next message's text opens with (GLM)
-
-        def add(kind: str, ids: list[int]) -> None:
-            out.add(kind, ids[1:] if carry is not None and ids[:1] == [carry] else ids)
-
         for g in range(start, len(groups)):
             role, group = groups[g]
             a, b = offset + ends[g] - len(group), offset + ends[g]
             w = _last_below(users, a if role == "user" else a + 1)  # the window opens at the turn's user message
-            head = dicts[:offset]
-            before, after = [*head, *dicts[w:a]], [*head, *dicts[w:b]]
-            ka, kb = prefix_digests(after, tools, [len(before), len(after)],
-                                    blobs=[*blobs[:offset], *blobs[w:b]])
-            if role == "assistant" and group[0].output_ids and keep(group[0].turn):
-                plain = tpl.official.render(before, tools, False, ka)
-                prompt = tpl.official.render(before, tools, True, ka)
-                assert prompt.text.startswith(plain.text), "generation prompt is not an append"
-                add("generation_prompt", tpl.official.encode(prompt, len(plain.text)))
-                ids, carry, end = tpl._generated(group[0].output_ids, tpl.official.render(after, tools, False, kb))
-                out.add("output", ids)
-                out.add("eos", end)
-                continue
-            add(_KIND[role], tpl._appended(before, after, tools, _KIND[role], ka, kb))
+            replayed = role == "assistant" and bool(group[0].output_ids) and keep(group[0].turn)
+            (kind, ids), *rest = self._group(dicts, blobs, tools, offset, w, a, b, role, group[0] if replayed else None)
+            out.add(kind, ids[1:] if carry is not None and ids[:1] == [carry] else ids)
             carry = None
+            for kind, ids in rest:
+                if kind == "carry":
+                    carry = ids[0]
+                else:
+                    out.add(kind, ids)
         if generation_prompt and messages and messages[-1].role != "assistant":
             window = [*dicts[:offset], *dicts[users[-1]:]]
             key, = prefix_digests(window, tools, [len(window)], blobs=[*blobs[:offset], *blobs[users[-1]:]])
             prompt = tpl.official.render(window, tools, True, key)
             base = tpl.official.render(window, tools, False, key).text
             assert prompt.text.startswith(base), "generation prompt is not an append"
-            add("generation_prompt", tpl.official.encode(prompt, len(base)))
+            ids = tpl.official.encode(prompt, len(base))
+            out.add("generation_prompt", ids[1:] if carry is not None and ids[:1] == [carry] else ids)
+
+    def _group(self, dicts: list[dict], blobs: list[bytes], tools: list[dict], offset: int, w: int, a: int, b: int,
+               role: str, replayed: Optional[Message]) -> Spans:
+        """The spans of the group dicts[a:b] in the window opening at `w`: its
+        text, or (`replayed`, a kept assistant message) the generation prompt,
+        the ids as generated and the template's end, then ("carry", (id,))
+        where the next message's text opens with the stop token it ended with.
+        Kept per window and message: a step renders the same groups for the
+        prompt, its history and keep's counterfactual."""
+        head = dicts[:offset]
+        before, after = [*head, *dicts[w:a]], [*head, *dicts[w:b]]
+        ka, kb = prefix_digests(after, tools, [len(before), len(after)], blobs=[*blobs[:offset], *blobs[w:b]])
+        key = (ka, kb, role, id(replayed) if replayed is not None else None)
+        hit = self._groups.get(key)
+        if hit is not None and hit[0] is replayed:
+            return hit[1]
+        tpl = self.tpl
+        if replayed is not None:
+            plain = tpl.official.render(before, tools, False, ka)
+            prompt = tpl.official.render(before, tools, True, ka)
+            assert prompt.text.startswith(plain.text), "generation prompt is not an append"
+            ids, carry, end = tpl._generated(replayed.output_ids, tpl.official.render(after, tools, False, kb))
+            spans = (("generation_prompt", tuple(tpl.official.encode(prompt, len(plain.text)))), ("output", tuple(ids)),
+                     ("eos", tuple(end)), *((("carry", (carry,)),) if carry is not None else ()))
+        else:
+            spans = ((_KIND[role], tuple(tpl._appended(before, after, tools, _KIND[role], ka, kb))),)
+        self._groups.put(key, (replayed, spans))  # the message kept alive: its id is not reused meanwhile
+        return spans
 
     def _closed_spans(self, dicts: list[dict], tools: list[dict], offset: int, blobs: list[bytes],
                       users: list[int], end: int) -> Spans:
