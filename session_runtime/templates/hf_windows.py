@@ -78,7 +78,7 @@ class WindowedRender:
             w = _last_below(users, a if role == "user" else a + 1)  # the window opens at the turn's user message
             replayed = role == "assistant" and bool(group[0].output_ids) and keep(group[0].turn)
             (kind, ids), *rest = self._group(dicts, blobs, tools, offset, w, a, b, role, group[0] if replayed else None)
-            out.add(kind, ids[1:] if carry is not None and ids[:1] == [carry] else ids)
+            out.add(kind, ids[1:] if carry is not None and ids[:1] == (carry,) else ids)
             carry = None
             for kind, ids in rest:
                 if kind == "carry":

@@ -11,6 +11,8 @@ tool call) must be refused by ours with a clear error."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
@@ -180,3 +182,29 @@ def test_a_template_that_opens_think_parses_and_streams_the_output_as_reasoning_
         if kind in sent:
             sent[kind] += value
     assert sent == {"reasoning": parsed.reasoning, "content": parsed.content}
+
+
+def test_templates_are_rendered_window_by_window_where_they_allow_it_and_whole_where_not(tmp_path):
+    """The `hf` template renders a turn's messages in the window that opens at
+    the turn's user message (its Jinja work in the turn's size, not the
+    conversation's) only where the template was found to render so at load.
+    One that numbers its messages (a window's index is not the whole
+    conversation's) is rendered whole, and still as the official template
+    renders it."""
+    from session_runtime.tokenizer import load_tokenizer
+
+    for name in ("qwen3", "glm4.5", "gpt-oss", "qwen2.5"):
+        assert family(name)[2].windowed is not None, name
+    assert family("llama3")[2].windowed is None  # its tools go into the first user message
+    folder = write_folder(tmp_path, "qwen2.5")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace(
+        "'<|im_start|>' + message.role + '\\n' + message.content", "'<|im_start|>' + message.role + '\\n' + "
+        "(loop.index0 | string) + message.content")
+    assert "loop.index0 | string" in config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(folder))
+    tpl = build_template("hf", tok, str(folder))
+    assert tpl.windowed is None
+    conv = ("Be brief.", [], [("First?", [("", "One.", [], [])]), ("Second?", [("", "Two.", [], [])]), ("Third?", [])])
+    assert fidelity.ours(tpl, *conv) == fidelity.hf_official(folder, tok, tpl, *conv)
