@@ -326,7 +326,7 @@ class StepPath:
         if forks and conv.policy.may_materialize:
             materialize, why = settings.decide(
                 reasoning_tokens=len(generated) - fork - (len(canonical) - fork),
-                answer_tokens=len(canonical) - fork,
+                answer_tokens=_dropped_answer(tpl, conv, len(canonical)) - fork,
                 free_fraction=free,
                 idle=self.materializer.waiting_users == 0,  # this request has already left
             )
@@ -487,6 +487,18 @@ def _canonical(tpl: Template, conv: Conversation, keep) -> tuple[list[Message], 
     stripped, and its rendering without a generation prompt."""
     history = _without_reasoning(tpl, conv.history, keep)
     return history, tpl.render(conv.system, conv.tools, history, keep, False).ids
+
+
+def _dropped_answer(tpl: Template, conv: Conversation, canonical: int) -> int:
+    """Where the closed turns whose reasoning is dropped end in the canonical
+    sequence (`canonical` tokens long): before the first closed turn that keeps
+    its reasoning (keep_last_k's), whose tokens past the fork are no answer of
+    a dropped turn, though they are prefilled again with it."""
+    keep = conv.kept_reasoning()
+    kept = next((i for i, m in enumerate(conv.history) if m.role == "user" and keep(m.turn)), None)
+    if kept is None:
+        return canonical
+    return tpl.rendered_length(conv.system, conv.tools, conv.history[:kept], keep, False)
 
 
 def _computed_tokens(steps) -> int:

@@ -22,7 +22,6 @@ that start inside its text.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import json
 from collections import OrderedDict
@@ -33,12 +32,11 @@ from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import KeepReasoning, Message, ParsedOutput, Rendered, ToolCall, message_groups
 from session_runtime.templates.hf_parse import parser_for
-from session_runtime.templates.hf_windows import WindowedRender, WindowMismatch, windows_hold
+from session_runtime.templates.hf_windows import SENTINEL as _SENTINEL, WindowedRender, WindowMismatch, windows_hold
 from session_runtime.templates.official import (OfficialRenderer, RenderedText, blob, prefix_digests,
-                                               read_chat_template, special_token_kwargs)
+                                               read_chat_template, special_token_kwargs, text_digest as _digest)
 from session_runtime.tokenizer import Tokenizer
 
-_SENTINEL = "\ue001next\ue001"  # a user message's content no client text spells
 _KIND = {"user": "user", "assistant": "answer", "tool": "tool_result", "system": "system"}
 _MESSAGE_DICTS = 1 << 16  # messages whose template dicts are kept
 
@@ -58,10 +56,6 @@ class _HeadChecks:
     cut: int
     text_digest: bytes  # of the head's text up to `cut`
     groups: tuple[Optional[_PrefixCheck], ...]  # None: the template could not render the prefix alone
-
-
-def _digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _openai_tool(tool: dict) -> dict:
@@ -90,6 +84,7 @@ class HFTemplate:
         heads = BytesLRU(64 << 20, lambda key, spans: 2 * len(key) + sum(8 * len(ids) + 100 for _, ids in spans))
         self._heads = lambda key: heads.get_or_compute(key, lambda: self._head_spans(key))
         self._message_dicts: OrderedDict = OrderedDict()  # id(message) -> (message, dict, blob)
+        self._tool_lists: OrderedDict = OrderedDict()  # id(tools) -> (tools, in OpenAI's shape)
         self.windowed: Optional[WindowedRender] = WindowedRender(self)  # None: rendered whole
         if not windows_hold(self):
             self.windowed = None
@@ -164,6 +159,18 @@ class HFTemplate:
             self._message_dicts.popitem(last=False)
         return d, b
 
+    def _openai_tools(self, tools: Sequence[dict]) -> list[dict]:
+        """The tools in OpenAI's shape, one list per tools object (so that its
+        digest is kept: official._tools_bytes)."""
+        hit = self._tool_lists.get(id(tools))
+        if hit is not None and hit[0] is tools:
+            return hit[1]
+        out = [_openai_tool(t) for t in tools]
+        self._tool_lists[id(tools)] = (tools, out)
+        while len(self._tool_lists) > 256:
+            self._tool_lists.popitem(last=False)
+        return out
+
     def _blobs(self, dicts: list[dict], offset: int, messages: Sequence[Message]) -> list[bytes]:
         return [blob(d) for d in dicts[:offset]] + [self._dict(m)[1] for m in messages]
 
@@ -175,7 +182,7 @@ class HFTemplate:
 
     def render(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
                keep: KeepReasoning, generation_prompt: bool = True) -> Rendered:
-        tools = [_openai_tool(t) for t in tools]
+        tools = self._openai_tools(tools)
         dicts = self._dicts(system, messages)
         offset = len(dicts) - len(messages)  # the system message
         groups = list(message_groups(messages))
@@ -245,7 +252,7 @@ class HFTemplate:
     def _head_spans(self, key: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """Spans start where a prefix's rendering is a prefix of the head; a message
         whose start moves with what follows joins the span before."""
-        dicts, tools, offset, kinds, sizes, closed = json.loads(key)
+        dicts, tools, offset, kinds, sizes, closed, *skip = json.loads(key)
         if closed:
             text = self.official.render([*dicts, {"role": "user", "content": _SENTINEL}], tools, False)
             cut = text.text.index(_SENTINEL) - len(self._user_header)
@@ -254,8 +261,14 @@ class HFTemplate:
         else:
             text = self.official.render(dicts, tools, False)
             cut = len(text.text)
-        ids, starts = self.official.encode_with_starts(
-            RenderedText(text.text[:cut], tuple(c for c in text.controls if c[1] <= cut)))
+        rendered = RenderedText(text.text[:cut], tuple(c for c in text.controls if c[1] <= cut))
+        start = 0
+        if skip:  # a window (hf_windows.py): its system part, this long and of this digest, is left out
+            start, digest = skip[0]
+            if _digest(rendered.text[:start]).hex() != digest or (
+                    start < cut and not any(a == start for a, _ in rendered.controls)):
+                raise WindowMismatch("a window's rendering does not open with the system part")
+        ids, starts = self.official.encode_with_starts(rendered, start)
         marks = self._marks(dicts, tools, offset, kinds, sizes, text.text, cut)
         spans, k = [], 0
         for i, (_, kind) in enumerate(marks):

@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import KeepFrom, Message, Rendered, ToolCall, message_groups
-from session_runtime.templates.official import prefix_digests
+from session_runtime.templates.official import prefix_digests, text_digest as _digest
+
+SENTINEL = "\ue001next\ue001"  # a user message's content no client text spells
 
 if TYPE_CHECKING:
     from session_runtime.templates.hf import HFTemplate
@@ -52,6 +54,7 @@ class WindowedRender:
         # digest of (tools, the messages before a user message) -> the closed head's spans
         size = lambda key, spans: 100 + sum(8 * len(ids) + 60 for _, ids in spans)  # noqa: E731
         self._closed = BytesLRU(64 << 20, size)
+        self._system_texts = BytesLRU(1 << 20, lambda key, hit: 200)
         # (window digests, role, id of the replayed message) -> (that message, the group's spans)
         self._groups = BytesLRU(64 << 20, lambda key, hit: size(key, hit[1]))
 
@@ -150,24 +153,24 @@ class WindowedRender:
         the template writes one without a system message)."""
         return self.tpl._heads(json.dumps([head, tools, offset, [], [], True], ensure_ascii=False))
 
+    def _system_text(self, head: list[dict], tools: list[dict]) -> tuple[int, str]:
+        """(length, digest) of the text of the system part alone, closed."""
+        key = prefix_digests(head, tools, [len(head)], salt="system")[0]
+        hit = self._system_texts.get(key)
+        if hit is None:
+            text = self.tpl.official.text([*head, {"role": "user", "content": SENTINEL}], tools, False)
+            cut = text.index(SENTINEL) - len(self.tpl._user_header)
+            hit = (cut, _digest(text[:cut]).hex())
+            self._system_texts.put(key, hit)
+        return hit
+
     def _window(self, window: list[dict], tools: list[dict], offset: int, messages, closed: bool) -> Spans:
-        """The spans of a window's messages: the window's head rendering less its system part."""
+        """The spans of a window's messages: the window's head rendering from
+        where its system part ends (that part neither tokenized nor kept)."""
         groups = list(message_groups(messages))
         key = json.dumps([window, tools, offset, [_KIND[role] for role, _ in groups], [len(g) for _, g in groups],
-                          closed], ensure_ascii=False)
-        spans = self.tpl._heads(key)
-        system = [i for _, ids in self._system(window[:offset], tools, offset) for i in ids]
-        n = len(system)
-        got = [i for _, ids in spans for i in ids][:n]
-        if got != system:
-            raise WindowMismatch("a window's rendering does not open with the system part")
-        out = []
-        for kind, ids in spans:
-            cut = min(n, len(ids))
-            n -= cut
-            if len(ids) > cut:
-                out.append((kind, ids[cut:]))
-        return tuple(out)
+                          closed, self._system_text(window[:offset], tools)], ensure_ascii=False)
+        return tuple((kind, ids) for kind, ids in self.tpl._heads(key) if ids)
 
 
 class WindowMismatch(InvalidRequest):

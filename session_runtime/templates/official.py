@@ -17,6 +17,7 @@ import bisect
 import hashlib
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -129,7 +130,7 @@ class OfficialRenderer:
         every prefix of a conversation in one pass, so that rendering its
         prefixes one by one does not serialize each again)."""
         if key is None:
-            key = prefix_digests(list(messages), list(tools), [len(messages)])[0]
+            key = prefix_digests(list(messages), tools if isinstance(tools, list) else list(tools), [len(messages)])[0]
         return self._memo.get_or_compute((key, generation_prompt),
                                          lambda: self._render_key(messages, tools, generation_prompt))
 
@@ -171,12 +172,12 @@ class OfficialRenderer:
             ids += [self.tok.token_id(text)] if control else self.tok.encode_text(text)
         return ids
 
-    def encode_with_starts(self, rendered: RenderedText) -> tuple[list[int], list[int]]:
-        """Ids of the whole text and each token's start offset in it."""
+    def encode_with_starts(self, rendered: RenderedText, start: int = 0) -> tuple[list[int], list[int]]:
+        """Ids of the text from `start` (a piece's start) and each token's start offset in it."""
         ids: list[int] = []
         starts: list[int] = []
-        pos = 0
-        for text, control in rendered.pieces():
+        pos = start
+        for text, control in rendered.pieces(start):
             if control:
                 ids.append(self.tok.token_id(text))
                 starts.append(pos)
@@ -192,8 +193,7 @@ def prefix_digests(messages: list[dict], tools: list[dict], at: Sequence[int], s
                    blobs: Optional[Sequence[bytes]] = None) -> list[bytes]:
     """A digest of (salt, tools, messages[:i]) for each i in `at` (ascending), in
     one pass. `blobs`: the messages' `blob`s where the caller keeps them."""
-    h = hashlib.blake2b(json.dumps([salt, tools], ensure_ascii=False).encode("utf-8", "surrogatepass"),
-                        digest_size=16)
+    h = hashlib.blake2b(_tools_bytes(tools) + json.dumps(salt).encode("utf-8", "surrogatepass"), digest_size=16)
     out, i = [], 0
     for end in at:
         while i < end:
@@ -201,6 +201,27 @@ def prefix_digests(messages: list[dict], tools: list[dict], at: Sequence[int], s
             i += 1
         out.append(h.copy().digest())
     return out
+
+
+_TOOLS: "OrderedDict[int, tuple[list, bytes]]" = OrderedDict()  # id(tools) -> (tools, their bytes)
+
+
+def _tools_bytes(tools: list) -> bytes:
+    """A tools list's bytes in a digest, kept per list object (a conversation's
+    renderings digest the same tools, tens of kilobytes for a coding agent's,
+    many times a step)."""
+    hit = _TOOLS.get(id(tools))
+    if hit is not None and hit[0] is tools:
+        return hit[1]
+    out = json.dumps(tools, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\x1d"
+    _TOOLS[id(tools)] = (tools, out)  # the list kept alive: its id is not reused meanwhile
+    while len(_TOOLS) > 256:
+        _TOOLS.popitem(last=False)
+    return out
+
+
+def text_digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def blob(message: dict) -> bytes:

@@ -365,3 +365,43 @@ def test_clear_tool_uses_forks_at_the_first_cleared_result(live, rt):
     third = send(messages, thinking={"type": "adaptive"})
     assert third.headers[HEADER] == cid and "context_management" not in third.json()
     assert PLACEHOLDER not in [m.content for m in rt.get(cid).history]
+
+
+def test_clear_tool_uses_streamed_through_the_sdk(live, rt):
+    """The same edit through the Anthropic SDK's beta stream: the final
+    message_delta reports the applied edits, the streamed usage counts the
+    prompt after them (as count_tokens does), and the stream's echo continues
+    the one inferred conversation, whose prompt shows the cleared result as the
+    placeholder."""
+    from session_runtime.tool_clearing import PLACEHOLDER
+
+    client = anthropic.Anthropic(base_url=live.url, api_key="key-a")
+    sys_text = system()
+    messages = [{"role": "user", "content": "Read both"}]
+    for i in range(2):
+        messages += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_s{i}", "name": "read",
+                                                        "input": {"p": f"g{i}"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_s{i}",
+                                                   "content": f"file {i}: " + "y = 2; " * 4}]}]
+    edits = {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 1},
+                        "keep": {"type": "tool_uses", "value": 1}}]}
+    cids = []
+    for turn in range(2):
+        with client.beta.messages.with_streaming_response.create(
+                model="claude-sonnet-4-5", system=sys_text, messages=messages, max_tokens=4, temperature=0,
+                stream=True, betas=["context-management-2025-06-27"], context_management=edits) as raw:
+            cids.append(raw.headers[HEADER])
+            events = [json.loads(line[5:]) for line in raw.iter_lines() if line.startswith("data:")]
+        delta = next(e for e in events if e["type"] == "message_delta")
+        applied = delta["context_management"]["applied_edits"]
+        assert [(e["type"], e["cleared_tool_uses"]) for e in applied] == [("clear_tool_uses_20250919", 1)]
+        start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+        counted = client.beta.messages.count_tokens(model="claude-sonnet-4-5", system=sys_text, messages=messages,
+                                                    betas=["context-management-2025-06-27"],
+                                                    context_management=edits)
+        assert start["input_tokens"] + start["cache_read_input_tokens"] == counted.input_tokens
+        text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+        messages += [{"role": "assistant", "content": [{"type": "text", "text": text}]},
+                     {"role": "user", "content": f"next {turn}"}]
+    assert cids[0] == cids[1]
+    assert [m.content for m in rt.get(cids[0]).history if m.role == "tool"][0] == PLACEHOLDER
