@@ -55,6 +55,7 @@ class WindowedRender:
         size = lambda key, spans: 100 + sum(8 * len(ids) + 60 for _, ids in spans)  # noqa: E731
         self._closed = BytesLRU(64 << 20, size)
         self._system_texts = BytesLRU(1 << 20, lambda key, hit: 200)
+        self._windows = BytesLRU(64 << 20, size)  # digest of a window -> its spans
         # (window digests, role, id of the replayed message) -> (that message, the group's spans)
         self._groups = BytesLRU(64 << 20, lambda key, hit: size(key, hit[1]))
 
@@ -70,8 +71,8 @@ class WindowedRender:
         else:
             at = offset + ends[first_kept] - 1  # the first kept turn's user message
             out_spans, start = self._closed_spans(dicts, tools, offset, blobs, users, at), first_kept + 1
-            out_spans = out_spans + self._window([*dicts[:offset], dicts[at]], tools, offset, messages[at - offset:at - offset + 1],
-                                                 closed=False)
+            out_spans = out_spans + self._window([*dicts[:offset], dicts[at]], [*blobs[:offset], blobs[at]], tools,
+                                                 offset, messages[at - offset:at - offset + 1], closed=False)
         for kind, ids in out_spans:
             out.add(kind, list(ids))
         carry = None  # a stop token the model ended with that the next message's text opens with (GLM)
@@ -143,8 +144,8 @@ class WindowedRender:
         starts = [offset, *bounds]
         for j in range(k, len(starts) - 1):
             a, b = starts[j], starts[j + 1]
-            spans = spans + self._window([*dicts[:offset], *dicts[a:b]], tools, offset,
-                                         _messages_of(dicts, offset, a, b), closed=True)
+            spans = spans + self._window([*dicts[:offset], *dicts[a:b]], [*blobs[:offset], *blobs[a:b]], tools,
+                                         offset, _messages_of(dicts, offset, a, b), closed=True)
             self._closed.put(digests[j + 1], spans)
         return spans
 
@@ -164,13 +165,21 @@ class WindowedRender:
             self._system_texts.put(key, hit)
         return hit
 
-    def _window(self, window: list[dict], tools: list[dict], offset: int, messages, closed: bool) -> Spans:
-        """The spans of a window's messages: the window's head rendering from
-        where its system part ends (that part neither tokenized nor kept)."""
+    def _window(self, window: list[dict], blobs: list[bytes], tools: list[dict], offset: int, messages,
+                closed: bool) -> Spans:
+        """The spans of a window's messages (`blobs`: theirs and the system
+        part's): the window's head rendering from where its system part ends
+        (that part neither tokenized nor kept). Kept by the window's digest."""
         groups = list(message_groups(messages))
-        key = json.dumps([window, tools, offset, [_KIND[role] for role, _ in groups], [len(g) for _, g in groups],
-                          closed, self._system_text(window[:offset], tools)], ensure_ascii=False)
-        return tuple((kind, ids) for kind, ids in self.tpl._heads(key) if ids)
+        kinds, sizes = [_KIND[role] for role, _ in groups], [len(g) for _, g in groups]
+        key = (prefix_digests(window, tools, [len(window)], salt=(offset, kinds, sizes, closed), blobs=blobs)[0])
+        hit = self._windows.get(key)
+        if hit is None:
+            head = json.dumps([window, tools, offset, kinds, sizes, closed, self._system_text(window[:offset], tools)],
+                              ensure_ascii=False)
+            hit = tuple((kind, ids) for kind, ids in self.tpl._head_spans(head) if ids)
+            self._windows.put(key, hit)
+        return hit
 
 
 class WindowMismatch(InvalidRequest):
