@@ -138,6 +138,9 @@ class Conversation:
     # An inferred conversation's tail digest (inference.py) as of its last
     # write, stored with it so that other processes find it by its history.
     tail: Optional[bytes] = field(default=None, compare=False)
+    # The input digest of the stateless request that ran its last step, stored
+    # with it, so that a retry reaching another process finds the conversation.
+    retry_key: Optional[bytes] = field(default=None, compare=False)
     # Which of the protocol's rules decided the running step's prompt (its
     # accounting's `rules`); set by Runtime.chat_step for that step only.
     rules: Optional[dict] = field(default=None, compare=False)

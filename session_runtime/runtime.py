@@ -252,7 +252,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                   forced: Optional[dict] = None, policy: Optional[ReasoningPolicy] = None,
                   cleared: Optional[Cleared] = None, rules: Optional[dict] = None,
                   replay: Optional[Callable[[Conversation], Optional[Step]]] = None,
-                  on_commit: Optional[Callable[[Conversation, Step], None]] = None, **options) -> Step:
+                  on_commit: Optional[Callable[[Conversation, Step], None]] = None,
+                  retry_key: Optional[bytes] = None, **options) -> Step:
         """A stateless chat client's request on a stored conversation: check that
         its history continues the conversation (continuation.py), or with
         `replace` make the client's history the conversation's, then run the new
@@ -302,6 +303,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                 if reclear:  # past the first block that changed, the history was never computed as it now reads
                     conv.known = dataclasses.replace(conv.known, diverged="tool_uses_cleared")
             conv.rules = rules  # read by this step's commit only
+            if retry_key is not None:  # stored with the step: a retry reaching another process finds it
+                conv.retry_key = retry_key
             try:
                 if content is not None:
                     step = self._message_step(conv, content, forced=forced, **options)

@@ -101,7 +101,7 @@ class StatelessSteps:
             try:
                 step = self.runtime.chat_step(
                     p.conversation_id, p.request, policy=p.policy, cleared=p.cleared, rules=p.rules,
-                    replay=self._replay(p),
+                    replay=self._replay(p), retry_key=p.keys.input,
                     on_commit=lambda conv, step: self.index.record(conv, p.protocol, p.keys, p.session_key, step),
                     **options)
                 self.index.matched[p.match.how if p.match else "new"] += 1
@@ -129,9 +129,13 @@ class StatelessSteps:
             match = Match(racing, "retry") if racing is not None else None
         store = self.runtime.store
         if match is None and store is not None:
-            # The digest carries the tenant: no other tenant's conversation has this tail.
-            cid = store.find_tail(p.keys.history)
-            match = Match(cid, "history") if cid is not None else None
+            # The digests carry the tenant: no other tenant's conversation has this input or tail. A
+            # retry first: its history is the tail the conversation had before the step it repeats.
+            cid = store.find_retry(p.keys.input)
+            match = Match(cid, "retry") if cid is not None else None
+            if match is None or (match.conversation_id, match.how) in p.tried:
+                cid = store.find_tail(p.keys.history)
+                match = Match(cid, "history") if cid is not None else None
         if match is not None and (match.conversation_id, match.how) not in p.tried:
             self.runtime.serve_here(match.conversation_id)
             p.conversation_id, p.match = match.conversation_id, match
@@ -143,7 +147,27 @@ class StatelessSteps:
         # A new conversation too: the same request racing in may have taken its lock first and run the step.
         if p.match is not None and p.match.how != "retry":
             return None
-        return lambda conv: self.index.retry_step(conv.id, p.keys, conv.version)
+
+        def replay(conv) -> Optional[Step]:
+            step = self.index.retry_step(conv.id, p.keys, conv.version)
+            if step is None and p.match is not None and conv.retry_key == p.keys.input:
+                step = self._stored_step(conv)  # run by a process gone since: its step as stored
+            return step
+        return replay
+
+    def _stored_step(self, conv) -> Optional[Step]:
+        """The conversation's last step as the store keeps it (a retry's answer
+        where no process remembers it); None where it has none."""
+        entry = conv.trace[-1] if conv.trace else None
+        if entry is None or entry.message.role != "assistant" or not conv.turns or not conv.turns[-1].steps:
+            return None
+        m, tpl = entry.message, self.runtime.template(conv.template)
+        parsed = tpl.parse_output(m.output_ids, f"{conv.call_prefix}_{m.turn}_{entry.step}")
+        return Step(conversation_id=conv.id, turn=m.turn, step=entry.step or 0, reasoning=m.reasoning,
+                    content=m.content, tool_calls=[c.as_dict() for c in m.tool_calls],
+                    finish_reason="tool_calls" if m.tool_calls else entry.finish_reason or "stop",
+                    output_ids=list(m.output_ids), logprobs=None, accounting=conv.turns[-1].steps[-1],
+                    reasoning_tokens=len(m.output_ids) - len(parsed.answer_ids) - int(parsed.ended))
 
     def _create(self, p: Prepared) -> str:
         policy = p.policy or ReasoningPolicy(self.runtime.config.policy)

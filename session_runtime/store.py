@@ -60,6 +60,13 @@ _SCHEMA = (
     protocol TEXT NOT NULL
 )""",
     "CREATE INDEX IF NOT EXISTS inferred_tail ON inferred(tail)",
+    # The input digest of the stateless request that ran an inferred
+    # conversation's last step: a retry of it that reaches another process.
+    """CREATE TABLE IF NOT EXISTS inferred_inputs (
+    conv TEXT PRIMARY KEY,
+    input TEXT NOT NULL
+)""",
+    "CREATE INDEX IF NOT EXISTS inferred_input ON inferred_inputs(input)",
 )
 
 # A step's rows in one statement (SQLite runs `executemany` a row at a time, each
@@ -166,6 +173,9 @@ class Store:
         if conv.inferred and conv.tail is not None:
             self._sql("INSERT INTO inferred(conv, tail, protocol) VALUES(?, ?, ?) "
                       "ON CONFLICT(conv) DO UPDATE SET tail = excluded.tail", (conv.id, conv.tail.hex(), conv.inferred))
+        if conv.inferred and conv.retry_key is not None:
+            self._sql("INSERT INTO inferred_inputs(conv, input) VALUES(?, ?) "
+                      "ON CONFLICT(conv) DO UPDATE SET input = excluded.input", (conv.id, conv.retry_key.hex()))
 
     begin = "BEGIN IMMEDIATE"
 
@@ -192,6 +202,7 @@ class Store:
                 self._fence(conversation_id)
                 self._sql("DELETE FROM conv_rows WHERE conv = ?", (conversation_id,))
                 self._sql("DELETE FROM inferred WHERE conv = ?", (conversation_id,))
+                self._sql("DELETE FROM inferred_inputs WHERE conv = ?", (conversation_id,))
                 self._sql("DELETE FROM conv WHERE id = ?", (conversation_id,))
             self._transaction(gone)
             self._written.pop(conversation_id, None)
@@ -214,6 +225,12 @@ class Store:
         """The inferred conversation whose transcript has the tail digest `tail` (inference.py), if one is stored."""
         with self._reading():
             row = self._sql("SELECT conv FROM inferred WHERE tail = ?", (tail.hex(),)).fetchone()
+        return None if row is None else row[0]
+
+    def find_retry(self, input_digest: bytes) -> Optional[str]:
+        """The inferred conversation whose last step a request with this input digest ran, if one is stored."""
+        with self._reading():
+            row = self._sql("SELECT conv FROM inferred_inputs WHERE input = ?", (input_digest.hex(),)).fetchone()
         return None if row is None else row[0]
 
     def inferred(self) -> list[StoredInferred]:
@@ -245,6 +262,9 @@ class Store:
                              "ORDER BY kind, seq, sub", (conversation_id,)).fetchall()
             tenant, worker, head, state, parked = row
             conv = conversation_of(conversation_id, tenant, worker, head, state, rows)
+            if conv.inferred:
+                key = self._sql("SELECT input FROM inferred_inputs WHERE conv = ?", (conversation_id,)).fetchone()
+                conv.retry_key = bytes.fromhex(key[0]) if key else None
             self._written[conversation_id] = written_of(conv, rows, head, state)
         return conv, unpark(conv, parked, self.boot)
 

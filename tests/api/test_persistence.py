@@ -235,8 +235,16 @@ def test_a_stateless_client_goes_on_after_the_restart(tmp_path):
     with served(data_dir=data_dir) as s1, httpx.Client(base_url=s1.url, timeout=120) as c:
         cid = turn(c)
         assert turn(c) == cid
+        last = {"messages": messages[:-2], "max_tokens": 3}  # the last request, as its retry sends it again
+        answered = messages[-2]["content"]
     with served(data_dir=data_dir, session_idle_ttl_s=3600) as s2, httpx.Client(base_url=s2.url, timeout=120) as c:
         assert cid in s2.runtime.sessions  # seeded from the store
+        # A retry of the step the first process ran: its answer as stored, no second turn.
+        r = c.post("/v1/chat/completions", json=last)
+        assert r.status_code == 200 and r.headers["x-session-runtime-conversation"] == cid
+        assert r.json()["choices"][0]["message"]["content"] == answered
+        assert len(c.get(f"/v1/conversations/{cid}").json()["turns"]) == 2
+        assert s2.runtime.sessions.matched["retry"] == 1
         assert turn(c) == cid
         d = c.get(f"/v1/conversations/{cid}").json()
         assert d["inferred"] == "openai-chat" and len(d["turns"]) == 3

@@ -388,7 +388,7 @@ def test_clear_tool_uses_streamed_through_the_sdk(live, rt):
     cids = []
     for turn in range(2):
         with client.beta.messages.with_streaming_response.create(
-                model="claude-sonnet-4-5", system=sys_text, messages=messages, max_tokens=4, temperature=0,
+                model="claude-sonnet-4-5", system=sys_text, messages=messages, max_tokens=4,
                 stream=True, betas=["context-management-2025-06-27"], context_management=edits) as raw:
             cids.append(raw.headers[HEADER])
             events = [json.loads(line[5:]) for line in raw.iter_lines() if line.startswith("data:")]
