@@ -27,6 +27,7 @@ is rendered whole, as before.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -187,8 +188,8 @@ class WindowMismatch(InvalidRequest):
 
 
 def _last_below(users: list[int], limit: int) -> int:
-    """The last user message's index below `limit`."""
-    return max(u for u in users if u < limit)
+    """The last user message's index below `limit` (`users` ascending)."""
+    return users[bisect.bisect_left(users, limit) - 1]
 
 
 def _messages_of(dicts: list[dict], offset: int, a: int, b: int) -> list[Message]:
