@@ -38,7 +38,7 @@ from session_runtime.templates.official import (OfficialRenderer, RenderedText, 
 from session_runtime.tokenizer import Tokenizer
 
 _KIND = {"user": "user", "assistant": "answer", "tool": "tool_result", "system": "system"}
-_MESSAGE_DICTS = 1 << 16  # messages whose template dicts are kept
+_MESSAGE_DICTS = 64 << 20  # bytes of the messages whose template dicts are kept (the messages kept alive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,8 @@ class HFTemplate:
         self._checks = BytesLRU(16 << 20, lambda key, v: 100 + 80 * len(v.groups))  # _marks
         heads = BytesLRU(64 << 20, lambda key, spans: 2 * len(key) + sum(8 * len(ids) + 100 for _, ids in spans))
         self._heads = lambda key: heads.get_or_compute(key, lambda: self._head_spans(key))
-        self._message_dicts: OrderedDict = OrderedDict()  # id(message) -> (message, dict, blob)
+        # id(message) -> (message, dict, blob), within _MESSAGE_DICTS bytes of blobs
+        self._message_dicts = BytesLRU(_MESSAGE_DICTS, lambda key, hit: 2 * len(hit[2]) + 8 * len(hit[0].output_ids) + 300)
         self._tool_lists: OrderedDict = OrderedDict()  # id(tools) -> (tools, in OpenAI's shape)
         self.windowed: Optional[WindowedRender] = WindowedRender(self)  # None: rendered whole
         if not windows_hold(self):
@@ -154,9 +155,7 @@ class HFTemplate:
         else:
             d = {"role": "user", "content": m.content}
         b = blob(d)
-        self._message_dicts[id(m)] = (m, d, b)  # the message kept alive: its id is not reused meanwhile
-        while len(self._message_dicts) > _MESSAGE_DICTS:
-            self._message_dicts.popitem(last=False)
+        self._message_dicts.put(id(m), (m, d, b))  # the message kept alive: its id is not reused meanwhile
         return d, b
 
     def _openai_tools(self, tools: Sequence[dict]) -> list[dict]:

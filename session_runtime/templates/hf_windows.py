@@ -58,7 +58,7 @@ class WindowedRender:
         self._system_texts = BytesLRU(1 << 20, lambda key, hit: 200)
         self._windows = BytesLRU(64 << 20, size)  # digest of a window -> its spans
         # (window digests, role, id of the replayed message) -> (that message, the group's spans)
-        self._groups = BytesLRU(64 << 20, lambda key, hit: size(key, hit[1]))
+        self._groups = BytesLRU(64 << 20, lambda key, hit: size(key, hit[1]) + _kept_bytes(hit[0]))
 
     def render(self, out: Rendered, dicts: list[dict], tools: list[dict], offset: int, messages: Sequence[Message],
                groups: list, ends: list[int], first_kept: Optional[int], keep, generation_prompt: bool) -> None:
@@ -185,6 +185,11 @@ class WindowedRender:
 
 class WindowMismatch(InvalidRequest):
     """The template renders a window unlike the whole conversation."""
+
+
+def _kept_bytes(m: Optional[Message]) -> int:
+    """About what a message kept alive by a memo holds."""
+    return 0 if m is None else 8 * len(m.output_ids) + 2 * (len(m.content) + len(m.reasoning)) + 300
 
 
 def _last_below(users: list[int], limit: int) -> int:
