@@ -66,6 +66,8 @@ _COUNTERS = {
     "recomputed_history_tokens_total": "Prefill spent on history tokens",
     "output_tokens_total": "Tokens generated or forced",
     "step_errors_total": "Steps that failed with a client or pool error",
+    "gemini_signature_skips_total": "Gemini function calls of a current turn sent back with a documented skip "
+                                    "value instead of this server's thought signature",
 }
 
 _BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -84,12 +84,12 @@ class RequestChecks:
                                  f"{limit}; it was not tokenized whole")
 
     def _sampling(self, conv, max_tokens, temperature, seed, logprobs, top_p: float = 1.0,
-                  top_logprobs: int = 0, constraint: OutputConstraint = NO_CONSTRAINT) -> SamplingParams:
+                  top_logprobs: int = 0, constraint: OutputConstraint = NO_CONSTRAINT, top_k: int = 0) -> SamplingParams:
         if top_logprobs and not self.backend.supports_top_logprobs:
             raise InvalidRequest(f"top_logprobs is not supported on the {self.backend.name} backend yet",
                                  param="top_logprobs")
         return SamplingParams(
-            max_tokens=self.max_tokens(max_tokens), temperature=temperature, seed=seed, top_p=top_p,
+            max_tokens=self.max_tokens(max_tokens), temperature=temperature, seed=seed, top_p=top_p, top_k=top_k,
             top_logprobs=top_logprobs,
             stop_token_ids=self.template(conv.template).stop_token_ids, logprobs=logprobs, stop=constraint.stop,
         )

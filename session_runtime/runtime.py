@@ -411,6 +411,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         on_prefill: Optional[Callable[[int, int], None]] = None,
         cancel: Optional[Cancellation] = None,
         top_p: float = 1.0,
+        top_k: int = 0,
         top_logprobs: int = 0,
         constraint: OutputConstraint = NO_CONSTRAINT,
     ) -> Step:
@@ -427,16 +428,16 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
             return self._message_step(conv, content, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                       logprobs=logprobs, forced=forced, on_token=on_token, on_prefill=on_prefill,
                                       cancel=cancel,
-                                      top_p=top_p, top_logprobs=top_logprobs, constraint=constraint)
+                                      top_p=top_p, top_k=top_k, top_logprobs=top_logprobs, constraint=constraint)
 
     def _message_step(self, conv: Conversation, content: str, *, max_tokens=None, temperature=0.0, seed=None,
-                      logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0, top_logprobs=0,
+                      logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0, top_k=0, top_logprobs=0,
                       on_prefill=None, constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         """send_message's step, the conversation's lock held."""
         new = self._user_message(conv, content)
         return self._step(conv, new, new[0].turn,
                           self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs,
-                                         constraint),
+                                         constraint, top_k),
                           forced, on_token, cancel, on_prefill, constraint)
 
     def _user_message(self, conv: Conversation, content: str) -> list[Message]:
@@ -462,6 +463,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         on_prefill: Optional[Callable[[int, int], None]] = None,
         cancel: Optional[Cancellation] = None,
         top_p: float = 1.0,
+        top_k: int = 0,
         top_logprobs: int = 0,
         constraint: OutputConstraint = NO_CONSTRAINT,
     ) -> Step:
@@ -474,15 +476,15 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
             return self._results_step(conv, results, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                       logprobs=logprobs, forced=forced, on_token=on_token, on_prefill=on_prefill,
                                       cancel=cancel,
-                                      top_p=top_p, top_logprobs=top_logprobs, constraint=constraint)
+                                      top_p=top_p, top_k=top_k, top_logprobs=top_logprobs, constraint=constraint)
 
     def _results_step(self, conv: Conversation, results: Sequence[dict], *, max_tokens=None, temperature=0.0,
                       seed=None, logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0,
-                      top_logprobs=0, on_prefill=None, constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
+                      top_k=0, top_logprobs=0, on_prefill=None, constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         """send_tool_results' step, the conversation's lock held."""
         msgs = self._result_messages(conv, results)
         return self._step(conv, msgs, msgs[0].turn, self._sampling(conv, max_tokens, temperature, seed, logprobs,
-                                                                    top_p, top_logprobs, constraint),
+                                                                    top_p, top_logprobs, constraint, top_k),
                           forced, on_token, cancel, on_prefill, constraint)
 
     def _result_messages(self, conv: Conversation, results: Sequence[dict]) -> list[Message]:

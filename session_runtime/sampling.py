@@ -15,6 +15,7 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 0.0  # 0 (or below 1e-5) means greedy
     top_p: float = 1.0  # nucleus sampling: draw from the fewest tokens whose probability reaches top_p
+    top_k: int = 0  # draw from the k most likely tokens only (0: all)
     seed: Optional[int] = None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: bool = False
@@ -43,6 +44,8 @@ class SamplingParams:
             raise InvalidRequest("top_logprobs needs logprobs", param="top_logprobs")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}", param="top_k")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidRequest(f"seed must fit in 64 bits, got {self.seed}")
 
@@ -61,6 +64,10 @@ class Sampler:
         if self.generator is None:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.cpu().double() / self.params.temperature, dim=-1)
+        if 0 < self.params.top_k < probs.shape[-1]:
+            kth = torch.topk(probs, self.params.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+            probs = probs / probs.sum()
         if self.params.top_p < 1.0:
             probs = _nucleus(probs, self.params.top_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -3,7 +3,8 @@ tenant decides what it sees.
 
 `Authenticate` runs before a route reads its body: it finds the key (as vLLM
 and SGLang take it, `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's
-SDK sends it; a browser's Basic credentials
+SDK sends it, or on the Gemini routes `x-goog-api-key: KEY` or `?key=KEY` as
+Google's clients send it; a browser's Basic credentials
 with the key as password also work, so the tree page can be opened), answers
 401 or 403 itself, and leaves the Caller in `request.state.caller`. Routes ask
 for it with `Depends(current_caller)`. Without any key configured every caller
@@ -18,12 +19,13 @@ import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Iterable, Optional
+from urllib.parse import parse_qsl
 
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radix_ext.tree import NodeInfo
-from session_runtime.api.errors import ApiError, Forbidden, error_response
+from session_runtime.api.errors import ApiError, Forbidden, error_response, is_gemini_route
 from session_runtime.api.settings import OPEN, ApiSettings, Caller, host_name
 from session_runtime.conversation import Conversation
 from session_runtime.errors import ConversationNotFound
@@ -65,7 +67,10 @@ class Authenticate:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        caller, refusal = self._decide(path, _header(scope, b"authorization"), _header(scope, b"x-api-key"))
+        api_key = _header(scope, b"x-api-key")
+        if api_key is None and is_gemini_route(path):
+            api_key = _header(scope, b"x-goog-api-key") or _query_key(scope)
+        caller, refusal = self._decide(path, _header(scope, b"authorization"), api_key)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -149,6 +154,14 @@ def _header(scope: Scope, name: bytes) -> Optional[str]:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
             return value.decode("latin-1")
+    return None
+
+
+def _query_key(scope: Scope) -> Optional[str]:
+    """The `key` query parameter (Google's clients may send the key so)."""
+    for name, value in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
+        if name == "key":
+            return value
     return None
 
 

@@ -7,6 +7,9 @@ route's family:
 - Anthropic Messages (`/v1/messages` and below): Anthropic's
   `{"type": "error", "error": {"type", "message"}}` with Anthropic's status
   codes (400, 401, 403, 404, 413, 429, 500, 529);
+- the Gemini API (`/v1beta/...`, and its methods under `/v1/models/`): Google's `{"error": {"code", "message",
+  "status"}}` with its status names (400 INVALID_ARGUMENT for bad input,
+  404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, ...);
 - the OpenAI-compatible routes (every other `/v1/...`): OpenAI's
   `{"error": {"message", "type", "param", "code"}}` with OpenAI's status codes
   (400 for a malformed body or bad input, 401, 404, ...).
@@ -58,9 +61,18 @@ def is_anthropic_route(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
+GEMINI_METHODS = ("generateContent", "streamGenerateContent", "countTokens")
+
+
+def is_gemini_route(path: str) -> bool:
+    """`/v1beta/...`, and a Gemini method under `/v1/models/` (where the SDK sends it)."""
+    return path.startswith("/v1beta/") or (path.startswith("/v1/models/") and ":" in path
+                                           and path.rpartition(":")[2] in GEMINI_METHODS)
+
+
 def is_openai_route(path: str) -> bool:
     return path.startswith("/v1/") and not (path == "/v1/conversations" or path.startswith("/v1/conversations/")
-                                            or is_anthropic_route(path))
+                                            or is_anthropic_route(path) or is_gemini_route(path))
 
 
 # The session API's status -> OpenAI's status and type; others keep their
@@ -118,6 +130,22 @@ def anthropic_body(err: ApiError) -> tuple[int, dict]:
     return status, {"type": "error", "error": error}
 
 
+# The session API's status -> Google's: a malformed body or bad input is 400,
+# a full pool or store 503 (UNAVAILABLE, which Gemini CLI retries).
+_GEMINI_STATUS = {422: 400, 413: 400, 502: 503, 507: 503}
+
+
+def gemini_body(err: ApiError) -> tuple[int, dict]:
+    """(Google's status, its whole error body) for an ApiError."""
+    from session_runtime.protocols.gemini import error
+
+    status = 400 if err.kind == "context_too_long" else _GEMINI_STATUS.get(err.status, err.status)
+    body = error(status, err.message, err.kind).body
+    if err.details is not None:
+        body["error"]["upstream"] = err.details
+    return status, body
+
+
 def session_body(err: ApiError) -> dict:
     body = {"type": err.kind, "message": err.message}
     if err.details is not None:
@@ -129,6 +157,8 @@ def error_response(err: ApiError, path: str) -> JSONResponse:
     """`err` as the error response of the family `path` belongs to."""
     if is_anthropic_route(path):
         status, content = anthropic_body(err)
+    elif is_gemini_route(path):
+        status, content = gemini_body(err)
     elif is_openai_route(path):
         status, body = openai_body(err)
         content = {"error": body}

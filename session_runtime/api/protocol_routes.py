@@ -40,23 +40,27 @@ from session_runtime.protocols.canonical import Call, Msg, Reasoning, Reply, Usa
 from session_runtime.protocols.convert import to_chat
 from session_runtime.step import Step
 
-ROUTES = {"/v1/messages": "anthropic", "/v1/responses": "openai-responses"}
+ROUTES = {"/v1/messages": "anthropic", "/v1/responses": "openai-responses", "/v1beta/models/": "gemini"}
 # The field that holds the history, and what a request without any is told.
 _HISTORY = {"anthropic": ("messages", "at least one message is required"),
-            "openai-responses": ("input", "at least one input item is required")}
+            "openai-responses": ("input", "at least one input item is required"),
+            "gemini": ("contents", "contents is not specified")}
 # The sampling figures' names in each protocol's request.
 _NAMES = {"anthropic": {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"},
-          "openai-responses": {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}}
+          "openai-responses": {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"},
+          "gemini": {"max_tokens": "generationConfig.maxOutputTokens", "temperature": "generationConfig.temperature",
+                     "top_p": "generationConfig.topP"}}
 
 
 def build_protocol_routes(answers: StepAnswers, validate: Optional[str], runtime) -> APIRouter:
     """The routes of ROUTES, each in its own module (api/messages_route.py,
     api/responses_route.py), answering through `answers` (api/step_input.py)."""
-    from session_runtime.api import messages_route, responses_route
+    from session_runtime.api import gemini_route, messages_route, responses_route
 
     router = APIRouter()
     router.include_router(messages_route.build(answers, validate, runtime))
     router.include_router(responses_route.build(answers, validate, runtime))
+    router.include_router(gemini_route.build(answers, runtime))
     return router
 
 
@@ -117,6 +121,8 @@ def _constraint(protocol: str, raw: dict) -> OutputConstraint:
     history drops. Raises InvalidRequest."""
     if protocol == "anthropic":
         return wire.messages(raw)
+    if protocol == "gemini":
+        return wire.gemini(raw)
     return wire.responses(raw.get("tool_choice"), dig(raw, "text", "format"), dig(raw, "reasoning", "effort"))
 
 

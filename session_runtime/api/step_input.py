@@ -65,6 +65,7 @@ class StepInput:
     max_tokens: Optional[int] = None  # the client's cap; None: what remains of the context
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token
     seed: Optional[int] = None
     logprobs: bool = False
     top_logprobs: int = 0
@@ -123,7 +124,8 @@ class StepAnswers:
         # No cap: what remains of the context (at most --max-tokens-limit). Refused before anything changes.
         max_tokens = runtime.max_tokens(inp.max_tokens, default=None)
         request = continuation.split(inp.messages, inp.tools)
-        options = {"max_tokens": max_tokens, "temperature": inp.temperature, "top_p": inp.top_p, "seed": inp.seed,
+        options = {"max_tokens": max_tokens, "temperature": inp.temperature, "top_p": inp.top_p, "top_k": inp.top_k,
+                   "seed": inp.seed,
                    "logprobs": inp.logprobs, "top_logprobs": inp.top_logprobs, "constraint": inp.constraint}
         prepared = None
         if inp.conversation_id:

@@ -10,14 +10,16 @@ the step's grammar is built, constrained/grammar.py).
 | Chat Completions (and the session API) | `tool_choice` required / a function | `response_format` | `stop`, 4 |
 | Responses | `tool_choice` required / a function / allowed_tools required | `text.format` | none |
 | Messages | `tool_choice` any / tool | `output_format`, `output_config.format` | `stop_sequences`, 16 |
+| Gemini | `toolConfig.functionCallingConfig` ANY (`allowedFunctionNames`) | `generationConfig.responseJsonSchema` / `responseSchema` | `generationConfig.stopSequences`, 5 |
 
 Reasoning effort (`reasoning_effort`, Responses' `reasoning.effort`,
 Messages' `output_config.effort`) and Messages' `thinking` (disabled: 0,
-enabled: its budget_tokens) bound the reasoning block (spec.EFFORT_SHARE):
+enabled: its budget_tokens) and Gemini's `thinkingConfig` (`thinkingBudget`,
+0: off, -1: the model's own; `thinkingLevel`) bound the reasoning block (spec.EFFORT_SHARE):
 none and minimal close it at once (thinking off), low gives it a quarter of
 the output cap, the others leave the model's own.
 
-OpenAI's `none` with tools keeps the tools in the prompt (the cached prefix
+OpenAI's `none` (and Gemini's NONE) with tools keeps the tools in the prompt (the cached prefix
 stays the conversation's) and the answer from starting a call; Messages'
 `none` leaves the tools out of the prompt, as before. With an answer schema
 and tools the step may call a tool or answer in the schema, as OpenAI's
@@ -37,6 +39,9 @@ OPENAI_STOPS = 4  # OpenAI's documented limit
 ANTHROPIC_STOPS = 16  # Anthropic documents none; this server's, said in docs/api.md
 OPENAI_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 ANTHROPIC_EFFORTS = ("low", "medium", "high", "max")
+GEMINI_STOPS = 5  # Gemini's documented limit
+GEMINI_LEVELS = ("minimal", "low", "medium", "high")
+_GEMINI_MODES = ("AUTO", "ANY", "NONE", "VALIDATED")
 _JSON_OBJECT = json.dumps({"type": "object"})
 
 
@@ -78,6 +83,70 @@ def messages(raw: dict) -> OutputConstraint:
     effort = _effort(config.get("effort") if isinstance(config, dict) else None, "output_config.effort",
                      ANTHROPIC_EFFORTS)
     return _constraint(call, tools, schema, stop, field, _thinking_budget(raw.get("thinking")), effort)
+
+
+def gemini(raw: dict) -> OutputConstraint:
+    """Gemini's fields: `toolConfig.functionCallingConfig` (mode AUTO, ANY with
+    `allowedFunctionNames`, NONE), `generationConfig` (`responseMimeType`
+    application/json with `responseJsonSchema` or `responseSchema`,
+    `stopSequences`, `thinkingConfig`)."""
+    from session_runtime.protocols.convert import gemini_schema
+
+    config = raw.get("toolConfig")
+    calling = config.get("functionCallingConfig") if isinstance(config, dict) else None
+    call, tools = None, ()
+    if calling is not None:
+        field = "toolConfig.functionCallingConfig"
+        mode = calling.get("mode", "AUTO") if isinstance(calling, dict) else None
+        if mode not in _GEMINI_MODES:
+            raise InvalidRequest(f"{field}.mode: expected one of {', '.join(_GEMINI_MODES)}", param=f"{field}.mode")
+        allowed = calling.get("allowedFunctionNames")
+        if allowed is not None and (mode != "ANY" or not isinstance(allowed, list) or not allowed):
+            raise InvalidRequest(f"{field}.allowedFunctionNames: a list of function names, with mode ANY",
+                                 param=f"{field}.allowedFunctionNames")
+        call = {"ANY": True, "NONE": False}.get(mode)
+        tools = tuple(_name(n, f"{field}.allowedFunctionNames") for n in allowed or ())
+    gen = raw.get("generationConfig")
+    gen = gen if isinstance(gen, dict) else {}
+    schema = None
+    mime = gen.get("responseMimeType")
+    if mime not in (None, "text/plain", "application/json"):
+        raise InvalidRequest("generationConfig.responseMimeType: expected text/plain or application/json",
+                             param="generationConfig.responseMimeType")
+    for field in ("responseJsonSchema", "responseSchema"):
+        value = gen.get(field)
+        if value is not None:
+            if not isinstance(value, dict) or mime != "application/json":
+                raise InvalidRequest(f"generationConfig.{field}: a schema object, with responseMimeType "
+                                     "application/json", param=f"generationConfig.{field}")
+            schema = json.dumps(value if field == "responseJsonSchema" else gemini_schema(value), ensure_ascii=False)
+            break
+    if schema is None and mime == "application/json":
+        schema = _JSON_OBJECT
+    stop = stop_sequences(gen.get("stopSequences"), "generationConfig.stopSequences", GEMINI_STOPS)
+    budget, level = _gemini_thinking(gen.get("thinkingConfig"))
+    return _constraint(call, tools, schema, stop, "generationConfig.responseJsonSchema", budget, level)
+
+
+def _gemini_thinking(thinking: object) -> tuple[Optional[int], Optional[str]]:
+    """(the reasoning's budget, the effort) of Gemini's thinkingConfig:
+    thinkingBudget 0 is off, -1 the model's own; thinkingLevel an effort."""
+    if thinking is None:
+        return None, None
+    field = "generationConfig.thinkingConfig"
+    if not isinstance(thinking, dict):
+        raise InvalidRequest(f"{field}: expected an object", param=field)
+    budget = thinking.get("thinkingBudget")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < -1):
+        raise InvalidRequest(f"{field}.thinkingBudget: expected a number of tokens, or -1",
+                             param=f"{field}.thinkingBudget")
+    level = thinking.get("thinkingLevel")
+    if isinstance(level, str):
+        level = level.lower()
+    if level is not None and level not in GEMINI_LEVELS:
+        raise InvalidRequest(f"{field}.thinkingLevel: expected one of {', '.join(GEMINI_LEVELS)}",
+                             param=f"{field}.thinkingLevel")
+    return (None if budget in (None, -1) else budget), level
 
 
 def _constraint(call: Optional[bool], tools: tuple, schema: Optional[str], stop: tuple, schema_field: str,

@@ -23,13 +23,14 @@ _REGISTRY = {
     "openai-chat": ("session_runtime.protocols.openai_chat", "OpenAIChat"),
     "openai-responses": ("session_runtime.protocols.openai_responses", "OpenAIResponses"),
     "anthropic": ("session_runtime.protocols.anthropic", "Anthropic"),
+    "gemini": ("session_runtime.protocols.gemini", "Gemini"),
 }
 NAMES = tuple(_REGISTRY)
 
 
 def get_protocol(name: str) -> ChatProtocol:
     """The adapter of protocol `name`: deepseek, openai-chat, openai-responses
-    or anthropic. Raises ValueError for any other name."""
+    anthropic or gemini. Raises ValueError for any other name."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown protocol {name!r}; one of {', '.join(NAMES)}")
     module, cls = _REGISTRY[name]

@@ -13,12 +13,14 @@ parameters are the caller's to set.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Optional
 
 from session_runtime.protocols.base import CHAT_PROTOCOLS
 from session_runtime.protocols.canonical import Call, ChatRequest, Msg, Reasoning, reasoning_text
 
 _CARRIED = ("model", "max_tokens", "temperature", "top_p")
+_GEMINI_CARRIED = {"maxOutputTokens": "max_tokens", "temperature": "temperature", "topP": "top_p"}
 
 
 def to_chat(req: ChatRequest, source: str, target: str = "deepseek") -> ChatRequest:
@@ -36,6 +38,13 @@ def to_chat(req: ChatRequest, source: str, target: str = "deepseek") -> ChatRequ
         messages, tools = _from_anthropic(req), [_tool(t.get("name"), t.get("description"), t.get("input_schema"))
                                                  for t in req.tools if isinstance(t, dict) and "input_schema" in t]
         params = {k: req.params[k] for k in _CARRIED if k in req.params}
+    elif source == "gemini":
+        messages, tools = _from_gemini(req), [_tool(d.get("name"), d.get("description"), gemini_parameters(d))
+                                              for t in req.tools if isinstance(t, dict)
+                                              for d in t.get("functionDeclarations") or () if isinstance(d, dict)]
+        config = req.params.get("generationConfig")
+        config = config if isinstance(config, dict) else {}
+        params = {chat: config[key] for key, chat in _GEMINI_CARRIED.items() if key in config}
     elif source == "openai-responses":
         messages, tools = _from_responses(req), [_tool(t.get("name"), t.get("description"), t.get("parameters"))
                                                  for t in req.tools if isinstance(t, dict) and t.get("type") == "function"]
@@ -116,6 +125,93 @@ def _from_anthropic(req: ChatRequest) -> list[Msg]:
         rest = [b for b in blocks if not (isinstance(b, dict) and b.get("type") == "tool_result")]
         if rest:
             out.append(Msg("user", _parts(rest)))
+    return out
+
+
+def _from_gemini(req: ChatRequest) -> list[Msg]:
+    """Gemini's turns as chat messages: thought parts are the reasoning, a
+    functionResponse part a tool message (answering the call of its id, or
+    else the earliest unanswered call of its name), the text parts of a turn
+    one text (adjacent parts joined as Gemini reads them)."""
+    system = req.params.get("systemInstruction")
+    text = _gemini_text(system.get("parts") if isinstance(system, dict) else [{"text": system}])
+    out = [Msg("system", text)] if text else []
+    open_calls: list[Call] = []
+    for i, m in enumerate(req.messages):
+        if m.role == "assistant":
+            calls = tuple(Call(c.id or f"call_{i}_{k}", c.name, c.arguments) for k, c in enumerate(m.calls))
+            open_calls = list(calls)
+            out.append(_assistant(dataclasses.replace(m, calls=calls), _gemini_text(m.content) or None))
+            continue
+        parts = m.content if isinstance(m.content, list) else []
+        for p in parts:
+            response = p.get("functionResponse") if isinstance(p, dict) else None
+            if isinstance(response, dict):
+                call = _answered(open_calls, response)
+                out.append(Msg("tool", json.dumps(response.get("response"), ensure_ascii=False),
+                               call_id=call.id if call is not None else response.get("id") or response.get("name")))
+        rest = [p for p in parts if not (isinstance(p, dict) and "functionResponse" in p)]
+        if rest:
+            out.append(Msg("user", _parts([_gemini_part(p) for p in rest])))
+    return out
+
+
+def _answered(open_calls: list[Call], response: dict) -> Optional[Call]:
+    """The call a functionResponse answers (taken off `open_calls`): its id's, else its name's first."""
+    rid, name = response.get("id"), response.get("name")
+    for k, c in enumerate(open_calls):
+        if (c.id == rid) if rid else (c.name == name):
+            return open_calls.pop(k)
+    return None
+
+
+def _gemini_part(p: Any) -> Any:
+    """A Gemini part in the other protocols' block shape (text, or an inline image)."""
+    if not isinstance(p, dict):
+        return p
+    if isinstance(p.get("text"), str):
+        return {"type": "text", "text": p["text"]}
+    data = p.get("inlineData")
+    if isinstance(data, dict) and str(data.get("mimeType", "")).startswith("image/"):
+        return {"type": "image", "source": {"type": "base64", "media_type": data["mimeType"], "data": data.get("data")}}
+    return p
+
+
+def _gemini_text(parts: Any) -> str:
+    return "".join(p["text"] for p in parts or () if isinstance(p, dict) and isinstance(p.get("text"), str)
+                   and p.get("thought") is not True)
+
+
+def gemini_parameters(declaration: dict) -> dict:
+    """A functionDeclaration's parameters as a JSON schema: `parametersJsonSchema`
+    as it is, or Gemini's OpenAPI `parameters` with its upper-case types in JSON
+    schema's (and `nullable` as a null type)."""
+    if isinstance(declaration.get("parametersJsonSchema"), dict):
+        return declaration["parametersJsonSchema"]
+    return gemini_schema(declaration.get("parameters")) if isinstance(declaration.get("parameters"), dict) else {
+        "type": "object", "properties": {}}
+
+
+def gemini_schema(schema: Any) -> Any:
+    """Gemini's OpenAPI schema as a JSON schema (types in lower case, `nullable` a null type)."""
+    if isinstance(schema, list):
+        return [gemini_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "type" and isinstance(v, str):
+            out[k] = v.lower()
+        elif k in ("properties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: gemini_schema(s) for name, s in v.items()}
+        elif k in ("items", "anyOf", "oneOf", "allOf", "additionalProperties", "not", "prefixItems"):
+            out[k] = gemini_schema(v)
+        elif k == "propertyOrdering" or (k == "nullable" and v is False):
+            continue
+        else:
+            out[k] = v
+    if out.pop("nullable", False) is True and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
     return out
 
 

@@ -50,12 +50,17 @@ def test_oversized_tools_and_messages_are_refused_and_memory_stays_flat(live, cl
         assert out[0].json()["error"]["type"] == "context_too_long"
 
     round_of_refusals()  # the first round warms what any request allocates once
-    gc.collect()
-    before = rss_mb()
-    round_of_refusals()
-    gc.collect()
-    # Kept, these 5 conversations' tools were 29 MB of memory each (measured
-    # here: about 8 MB of allocator growth per round, refused).
-    assert rss_mb() - before < 30, (before, rss_mb())
+    growth = []
+    for _ in range(2):
+        gc.collect()
+        before = rss_mb()
+        round_of_refusals()
+        gc.collect()
+        growth.append(rss_mb() - before)
+    # Kept, these 5 conversations' tools were 29 MB of memory each, 145 MB a
+    # round. Refused, a round grows the allocator's heap by about 5-8 MB here;
+    # once in a long suite (an 8 GB process) one round grew it by 42 MB, so
+    # the smaller of two rounds is what must stay flat.
+    assert min(growth) < 30 and sum(growth) < 100, growth
     assert len(live.runtime.conversations) == count
     assert client.get(f"/v1/conversations/{cid}").json()["turns"] == []

@@ -229,7 +229,7 @@ def test_known_errors():
 
 def test_unknown_protocol():
     with pytest.raises(ValueError, match="unknown protocol"):
-        get_protocol("gemini")
+        get_protocol("bard")
 
 
 def test_passthrough_from_env(monkeypatch):
@@ -246,7 +246,7 @@ def test_passthrough_from_env(monkeypatch):
 def test_every_protocol_by_name():
     from session_runtime.protocols import NAMES, ChatProtocol
 
-    assert NAMES == ("deepseek", "openai-chat", "openai-responses", "anthropic")
+    assert NAMES == ("deepseek", "openai-chat", "openai-responses", "anthropic", "gemini")
     for name in NAMES:
         proto = get_protocol(name)
         assert isinstance(proto, ChatProtocol) and proto.name == name

@@ -73,7 +73,7 @@ def test_unknown_names():
     with pytest.raises(ValueError):
         to_chat(req, "deepseek", "anthropic")
     with pytest.raises(ValueError):
-        to_chat(req, "gemini")
+        to_chat(req, "bard")
 
 
 def test_a_hand_built_message_keeps_absent_reasoning_absent():

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from session_runtime.protocols import NAMES, StripOptions, get_protocol
+from session_runtime.config import UPSTREAM_PROTOCOLS as NAMES  # the protocols the upstream proxy speaks
+from session_runtime.protocols import StripOptions, get_protocol
 from session_runtime.proxy.outbound import Outbound
 from session_runtime.proxy.transcript import reply_parts, request_body
 from session_runtime.templates.base import Message, ToolCall

@@ -248,6 +248,8 @@ class SGLangBackend(Backend):
                              holder=self.holder if self.lease_s > 0 else None, lease_s=self.lease_s,
                              before=tuple(riding))
         params: dict = {"temperature": sp.temperature, "top_p": sp.top_p, "stop_token_ids": sorted(sp.stop_token_ids)}
+        if sp.top_k:
+            params["top_k"] = sp.top_k
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed % 2**31
         if sp.stop:  # matched by SGLang in the decoded output, as our engine matches them
