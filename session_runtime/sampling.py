@@ -64,13 +64,21 @@ class Sampler:
         if self.generator is None:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.cpu().double() / self.params.temperature, dim=-1)
-        if 0 < self.params.top_k < probs.shape[-1]:
-            kth = torch.topk(probs, self.params.top_k).values[-1]
-            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-            probs = probs / probs.sum()
+        if self.params.top_k:
+            probs = _top_k(probs, self.params.top_k)
         if self.params.top_p < 1.0:
             probs = _nucleus(probs, self.params.top_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """`probs` kept on the `k` most likely tokens (ties at the k-th kept too),
+    zero elsewhere, summing to 1 again (top_p then applies to what is left, as
+    SGLang orders them)."""
+    if k >= probs.shape[-1]:
+        return probs
+    kept = torch.where(probs >= torch.topk(probs, k).values[-1], probs, torch.zeros_like(probs))
+    return kept / kept.sum()
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

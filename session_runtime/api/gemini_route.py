@@ -83,6 +83,7 @@ def build(answers: StepAnswers, runtime) -> APIRouter:
             return await _count(runtime, adapter, raw, caller)
         secret: ServerSecret = request.app.state.secret
         inp = step_input(adapter, PROTOCOL, raw, None)
+        _check_parts(raw)
         skips = check_signatures(adapter.parse_request(raw).messages, secret)
         if skips:
             request.app.state.metrics.counters["gemini_signature_skips_total"].inc(skips)
@@ -114,6 +115,7 @@ async def _count(runtime, adapter, raw: object, caller: Caller) -> dict:
     if isinstance(raw, dict) and isinstance(raw.get("generateContentRequest"), dict):
         raw = raw["generateContentRequest"]
     inp = step_input(adapter, PROTOCOL, raw, None)
+    _check_parts(raw)
     count = await anyio.to_thread.run_sync(prompt_tokens, runtime, inp.messages, inp.tools, caller.tenant)
     return {"totalTokens": count}
 
@@ -126,6 +128,23 @@ _FIELDS = {"contents", "systemInstruction", "tools", "toolConfig", "generationCo
 _GENERATION = {"temperature", "topP", "topK", "candidateCount", "maxOutputTokens", "stopSequences", "seed",
                "responseMimeType", "responseSchema", "responseJsonSchema", "thinkingConfig", "presencePenalty",
                "frequencyPenalty", "responseModalities"}
+
+
+_PART_DATA = ("text", "functionCall", "functionResponse")
+_PART_MARKS = frozenset({"thought", SIGNATURE})
+
+
+def _check_parts(raw: dict) -> None:
+    """Every part holds text, a functionCall or a functionResponse (with its
+    marks: `thought`, a signature); any other data (images, files, code) is
+    refused, naming the part, rather than left out of the prompt."""
+    for i, content in enumerate(raw.get("contents") or ()):
+        for j, part in enumerate(content.get("parts") or () if isinstance(content, dict) else ()):
+            data = [k for k in part if k not in _PART_MARKS] if isinstance(part, dict) else []
+            if len(data) != 1 or data[0] not in _PART_DATA:
+                where = f"contents[{i}].parts[{j}]"
+                raise InvalidRequest(f"{where}: a part of {', '.join(data) or 'nothing'} is not supported by this "
+                                     "server; send text, functionCall or functionResponse parts", param=where)
 
 
 def _generation(raw: dict) -> dict:

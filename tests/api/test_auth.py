@@ -356,3 +356,19 @@ def test_anthropics_sdk_authenticates_with_x_api_key(keyed):
                                                        "message": "the API key is not valid"}}
     r = httpx.get(f"{keyed.url}/v1/models", headers={"x-api-key": KEY_B})
     assert r.status_code == 200
+
+
+def test_the_gemini_routes_take_the_key_as_googles_clients_send_it(keyed):
+    """`x-goog-api-key`, or `?key=`; without one (or with a wrong one) Google's 401."""
+    body = {"contents": [{"role": "user", "parts": [{"text": "[auth-gemini] Count me."}]}]}
+    path = "/v1beta/models/tiny:countTokens"
+    with httpx.Client(base_url=keyed.url, timeout=120) as c:
+        for headers, params in (({}, {}), ({"x-goog-api-key": "wrong-key"}, {}), ({}, {"key": "wrong-key"})):
+            r = c.post(path, json=body, headers=headers, params=params)
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["status"] == "UNAUTHENTICATED" and r.json()["error"]["code"] == 401
+        counts = [c.post(path, json=body, headers=headers, params=params)
+                  for headers, params in (({"x-goog-api-key": KEY_A}, {}), ({}, {"key": KEY_B}), (bearer(KEY_A), {}))]
+        assert [r.status_code for r in counts] == [200] * 3 and len({r.json()["totalTokens"] for r in counts}) == 1
+        # A key in the query names the caller on the Gemini routes only.
+        assert c.get("/v1/conversations", params={"key": KEY_A}).status_code == 401

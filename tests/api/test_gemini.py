@@ -209,6 +209,10 @@ BAD = [
     ({"contents": [{"role": "user", "parts": [{"text": "hi"}]}],
       "generationConfig": {"responseSchema": {"type": "OBJECT"}}}, "responseMimeType"),
     ({"contents": [{"role": "user", "parts": [{"text": 7}]}]}, "text"),
+    ({"contents": [{"role": "user", "parts": [{"text": "look", "inlineData": {"mimeType": "image/png", "data": "AA=="}}]}]},
+     "contents[0].parts[0]: a part of text, inlineData"),
+    ({"contents": [{"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": "AA=="}}]}]},
+     "a part of inlineData is not supported"),
     ({"contents": [{"role": "user", "parts": [{"functionResponse": {"response": {}}}]}]}, "functionResponse.name"),
 ]
 

@@ -109,6 +109,20 @@ def test_the_tokenizer_memo_is_bounded_by_bytes_not_entries():
     assert len(memo) >= 2000 and memo.bytes <= memo.max_bytes
 
 
+def test_top_k_keeps_the_k_most_likely_tokens():
+    import torch
+
+    from session_runtime.sampling import SamplingParams, _top_k
+
+    probs = torch.tensor([0.1, 0.5, 0.3, 0.1], dtype=torch.float64)
+    assert _top_k(probs, 1).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert _top_k(probs, 2).tolist() == pytest.approx([0.0, 0.625, 0.375, 0.0])
+    assert _top_k(probs, 4).tolist() == _top_k(probs, 9).tolist() == probs.tolist()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidRequest, match="top_k"):
+            SamplingParams(top_k=bad)
+
+
 def test_nucleus_keeps_the_fewest_tokens_that_reach_top_p():
     import torch
 
