@@ -1,4 +1,4 @@
-"""Running the real agent CLIs (pinned in package.json / package-lock.json
+"""Running the real agent CLIs (Claude Code, Codex CLI, Gemini CLI) (pinned in package.json / package-lock.json
 beside this file, installed by `make test` with `npm ci`) against a server of
 the test's, each in a temporary HOME and working folder of its own.
 
@@ -86,6 +86,32 @@ class Codex:
 def codex_ok(run: Run) -> bool:
     """The CLI exited 0 and printed no error."""
     return run.returncode == 0 and not any(line.startswith("ERROR") for line in run.stderr.splitlines())
+
+
+class GeminiCLI:
+    """`gemini -p` pointed at `url` (Gemini API key auth, as its settings must
+    say for a custom base URL) asking for `model`."""
+
+    def __init__(self, url: str, model: str, home: Path):
+        self.model = model
+        self.work = home / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        (home / ".gemini").mkdir(exist_ok=True)
+        (home / ".gemini" / "settings.json").write_text(
+            json.dumps({"security": {"auth": {"selectedType": "gemini-api-key"}}}))
+        self.env = {"HOME": str(home), "GOOGLE_GEMINI_BASE_URL": url, "GEMINI_API_KEY": "test-key",
+                    "GEMINI_CLI_TRUST_WORKSPACE": "true"}
+
+    def ask(self, prompt: str, resume: bool = False) -> dict:
+        """The CLI's JSON result of one `gemini -p` (`--resume latest` for the next turn)."""
+        argv = ["gemini", "-m", self.model, *(["--resume", "latest"] if resume else []), "-p", prompt,
+                "--output-format", "json"]
+        run = _run(argv, self.env, self.work)
+        try:
+            return json.loads(run.stdout)
+        except ValueError:
+            raise AssertionError(f"gemini printed no JSON result (exit {run.returncode}): {run.stdout[-2000:]}"
+                                 f"{run.stderr[-2000:]}") from None
 
 
 def inferred(client: httpx.Client, protocol: str) -> list[dict]:

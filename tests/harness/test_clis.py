@@ -1,6 +1,7 @@
-"""Claude Code and Codex CLI, unchanged, against the server: each runs a first
-turn and continues it (`claude -p` then `claude -p --continue`; `codex exec`
-then `codex exec resume --last`), on the embedded engine and on SGLang's
+"""Claude Code, Codex CLI and Gemini CLI, unchanged, against the server: each
+runs a first turn and continues it (`claude -p` then `claude -p --continue`;
+`codex exec` then `codex exec resume --last`; `gemini -p` then `gemini
+--resume latest -p`), on the embedded engine and on SGLang's
 server. Every request is answered 200, the CLI reports no error, the
 stateless requests become one inferred conversation holding both turns, and
 the second turn's requests come at least 90% from the cache.
@@ -28,9 +29,9 @@ import pytest
 from tests.api.conftest import start_server
 from tests.conftest import TINY_SHAPE
 from tests.harness.answering_model import save_answering_model
-from tests.harness.clis import ClaudeCode, Codex, cached_share, claude_ok, codex_ok, inferred
+from tests.harness.clis import ClaudeCode, Codex, GeminiCLI, cached_share, claude_ok, codex_ok, inferred
 
-NAMES = ("claude-sonnet-4-5", "claude-haiku-4-5-20251001", "gpt-5-codex")
+NAMES = ("claude-sonnet-4-5", "claude-haiku-4-5-20251001", "gpt-5-codex", "gemini-2.5-pro")
 CONTEXT = 40960  # Claude Code's first request is about 27k tokens
 
 
@@ -115,4 +116,18 @@ def test_codex(server, statuses, tmp_path):
     seen = statuses("/v1/responses")
     assert len(seen) >= 2 and set(seen) == {200}, seen
     conv = _one_conversation(client, "openai-responses")
+    client.delete(f"/v1/conversations/{conv['id']}")
+
+
+def test_gemini_cli(server, statuses, tmp_path):
+    live, client = server
+    cli = GeminiCLI(live.url, "gemini-2.5-pro", tmp_path)
+    first = cli.ask("Say hello")
+    assert first.get("response") == "Hello" and not first.get("error"), first
+    second = cli.ask("And again", resume=True)
+    assert second.get("response") == "Hello" and not second.get("error"), second
+    seen = statuses("/v1beta/models/gemini-2.5-pro:streamGenerateContent")
+    assert len(seen) >= 2 and set(seen) == {200}, seen
+    conv = _one_conversation(client, "gemini")
+    assert conv["turns"][0]["steps"][0]["prompt_tokens"] > 5_000  # the CLI's own tools and system prompt
     client.delete(f"/v1/conversations/{conv['id']}")
