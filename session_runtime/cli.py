@@ -57,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--keep-tool-turn-reasoning", action="store_true",
                        help="DeepSeek: keep completed tool-call turns' reasoning on the way out (the documented "
                             "rule), for a provider that enforces it; by default it is stripped in lenient shapes")
-    serve.add_argument("--validate", default=None, choices=UPSTREAM_PROTOCOLS, metavar="PROTOCOL",
+    serve.add_argument("--validate", default=None, choices=(*UPSTREAM_PROTOCOLS, "gemini"), metavar="PROTOCOL",
                        help="check incoming requests as this provider's API does (deepseek, openai-chat, "
-                            "openai-responses, anthropic) before answering with the local engine: a "
+                            "openai-responses, anthropic, gemini) before answering with the local engine: a "
                             "validating upstream for tests and offline checks")
     serve.add_argument("--sglang-url", default=None,
                        help="with --backend sglang: running SGLang servers started with "

@@ -50,6 +50,7 @@ from session_runtime.api.gemini_stream import Chunks, answer_parts, call_signatu
 from session_runtime.api.lean_route import LeanRoute
 from session_runtime.api.openai_compat import served_name
 from session_runtime.api.protocol_routes import new_id, read_body, step_input
+from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.settings import Caller
 from session_runtime.api.step_input import CONVERSATION_HEADER, Stateless, StepAnswers
 from session_runtime.api.streaming import cancellable
@@ -68,23 +69,28 @@ class MethodNotFound(RuntimeErrorBase):
     error_type = "not_found"
 
 
-def build(answers: StepAnswers, runtime) -> APIRouter:
-    """The Gemini routes, answering through `answers`."""
+def build(answers: StepAnswers, validate: Optional[str], runtime) -> APIRouter:
+    """The Gemini routes, answering through `answers`; with `validate`
+    "gemini" the server answers as Gemini's validator does (--validate): any
+    model name, and a current-turn call needs a signature, anyone's."""
     router = APIRouter(route_class=LeanRoute)
     adapter = get_protocol(PROTOCOL)
+    as_provider = validate == PROTOCOL
 
     async def call(target: str, request: Request, caller: Caller = Depends(current_caller)):
         model, _, method = target.rpartition(":")
         if method not in METHODS or not model:
             raise MethodNotFound(f"no method {method!r} on models/{model}: one of {', '.join(METHODS)}")
-        name = served_name(runtime, model)
+        name = runtime.served_names[0] if as_provider else served_name(runtime, model)
         raw = camel_keys(await read_body(request))
+        if as_provider and (refused := validation_error(PROTOCOL, raw)) is not None:
+            return refused
         if method == "countTokens":
             return await _count(runtime, adapter, raw, caller)
         secret: ServerSecret = request.app.state.secret
         inp = step_input(adapter, PROTOCOL, raw, None)
         _check_parts(raw)
-        skips = check_signatures(adapter.parse_request(raw).messages, secret)
+        skips = 0 if as_provider else check_signatures(adapter.parse_request(raw).messages, secret)
         if skips:
             request.app.state.metrics.counters["gemini_signature_skips_total"].inc(skips)
         stream = method == "streamGenerateContent"

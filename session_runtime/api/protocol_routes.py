@@ -60,7 +60,7 @@ def build_protocol_routes(answers: StepAnswers, validate: Optional[str], runtime
     router = APIRouter()
     router.include_router(messages_route.build(answers, validate, runtime))
     router.include_router(responses_route.build(answers, validate, runtime))
-    router.include_router(gemini_route.build(answers, runtime))
+    router.include_router(gemini_route.build(answers, validate, runtime))
     return router
 
 

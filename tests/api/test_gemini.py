@@ -253,3 +253,35 @@ def test_signatures_are_url_safe_and_accepted_in_either_alphabet(server):
         assert verified(secret, signature, "f", args) and verified(secret, standard, "f", args)
         assert not verified(secret, signature, "f", {"k": k + 1}) and not verified(secret, signature, "g", args)
     assert json.dumps(args)  # a plain object
+
+
+def test_validate_gemini_answers_as_geminis_validator():
+    """`--validate gemini`: any model name; a current-turn call needs a
+    signature (anyone's: the validator cannot read Google's), refused in
+    Gemini's words and named in x-session-runtime-validator; earlier turns'
+    calls need none."""
+    from session_runtime.api.settings import ApiSettings
+
+    call = {"functionCall": {"id": "c1", "name": "get_time", "args": {"zone": 3}}}
+    result = {"role": "user", "parts": [{"functionResponse": {"id": "c1", "name": "get_time", "response": {"t": 1}}}]}
+    tools = [{"functionDeclarations": [{"name": "get_time", "parametersJsonSchema": {
+        "type": "object", "properties": {"zone": {"type": "integer"}}}}]}]
+
+    def body(signature, earlier=False):
+        part = {**call, **({"thoughtSignature": signature} if signature else {})}
+        turns = [{"role": "user", "parts": [{"text": "[gemini-validate] What time?"}]},
+                 {"role": "model", "parts": [part]}, result]
+        if earlier:
+            turns += [{"role": "model", "parts": [{"text": "3 o'clock."}]}, {"role": "user", "parts": [{"text": "ok"}]}]
+        return {"contents": turns, "tools": tools, "generationConfig": {"maxOutputTokens": 2}}
+
+    with served(ApiSettings(validate="gemini"), max_context=2048) as live, httpx.Client(base_url=live.url,
+                                                                                        timeout=120) as c:
+        url = "/v1beta/models/gemini-3-pro-preview:generateContent"
+        r = c.post(url, json=body(None))
+        assert r.status_code == 400 and r.headers["x-session-runtime-validator"] == "gemini.thought_signature_missing"
+        assert r.json()["error"]["status"] == "INVALID_ARGUMENT"
+        assert "Function call is missing a thought_signature" in r.json()["error"]["message"]
+        assert len(live.runtime.conversations) == 0
+        assert c.post(url, json=body("Q2hpY2tlbg==")).status_code == 200
+        assert c.post(url, json=body(None, earlier=True)).status_code == 200
