@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "server (batched), launched from these model flags or given by --sglang-url")
     serve.add_argument("--upstream", default=None, metavar="URL",
                        help="upstream proxy mode: a provider's API answers each step instead of a local "
-                            "engine; URL is its SDK's base_url (https://api.deepseek.com/v1; Anthropic's without /v1)")
+                            "engine; URL is its SDK's base_url (https://api.deepseek.com/v1; Anthropic's and Google's "
+                            "without /v1)")
     serve.add_argument("--upstream-protocol", default=_DEFAULTS.upstream_protocol, choices=UPSTREAM_PROTOCOLS,
                        help="the protocol --upstream speaks")
     serve.add_argument("--upstream-key", default=None, metavar="KEY",
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--keep-tool-turn-reasoning", action="store_true",
                        help="DeepSeek: keep completed tool-call turns' reasoning on the way out (the documented "
                             "rule), for a provider that enforces it; by default it is stripped in lenient shapes")
-    serve.add_argument("--validate", default=None, choices=(*UPSTREAM_PROTOCOLS, "gemini"), metavar="PROTOCOL",
+    serve.add_argument("--validate", default=None, choices=UPSTREAM_PROTOCOLS, metavar="PROTOCOL",
                        help="check incoming requests as this provider's API does (deepseek, openai-chat, "
                             "openai-responses, anthropic, gemini) before answering with the local engine: a "
                             "validating upstream for tests and offline checks")

@@ -80,7 +80,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # auto: flashinfer on cuda where it runs, else torch SDPA (see model/attention.py).
 ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer", "paged-reference")
 BACKENDS = ("embedded", "sglang", "upstream")
-UPSTREAM_PROTOCOLS = ("deepseek", "openai-chat", "openai-responses", "anthropic")
+UPSTREAM_PROTOCOLS = ("deepseek", "openai-chat", "openai-responses", "anthropic", "gemini")
 
 
 DEFAULT_CONTEXT = 32768  # a model whose limit is not known here (upstream mode)

@@ -65,7 +65,6 @@ class StepInput:
     max_tokens: Optional[int] = None  # the client's cap; None: what remains of the context
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: every token
     seed: Optional[int] = None
     logprobs: bool = False
     top_logprobs: int = 0
@@ -76,6 +75,7 @@ class StepInput:
     policy: Optional[str] = None  # a conversation this request creates: its reasoning policy
     stateless: Stateless = Stateless()
     constraint: OutputConstraint = NONE  # a forced call, an answer schema, stop sequences (constrained/wire.py)
+    top_k: int = 0  # 0: every token
 
 
 def sampling_figures(max_tokens: object, temperature: object, top_p: object, names: dict[str, str]) -> dict:

@@ -3,7 +3,10 @@ authentication headers, errors as typed exceptions.
 
 The base URL is what the provider's official SDK takes as `base_url`:
 OpenAI-style APIs up to and including `/v1` (`https://api.deepseek.com/v1`,
-`http://127.0.0.1:8000/v1`), Anthropic's without it (`https://api.anthropic.com`).
+`http://127.0.0.1:8000/v1`), Anthropic's and Google's without it
+(`https://api.anthropic.com`, `https://generativelanguage.googleapis.com`).
+Gemini's path names the model (`/v1beta/models/{model}:generateContent`): it is
+taken out of the body into the path.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
+from urllib.parse import quote
 
 from session_runtime.direct_http import DirectPool, TransportError, TransportTimeout
 from session_runtime.errors import UpstreamUnavailable
@@ -25,6 +29,7 @@ ENDPOINTS = {
     "openai-chat": ("/chat/completions", "OPENAI_API_KEY"),
     "openai-responses": ("/responses", "OPENAI_API_KEY"),
     "anthropic": ("/v1/messages", "ANTHROPIC_API_KEY"),
+    "gemini": ("/v1beta/models/{model}:generateContent", "GEMINI_API_KEY"),
 }
 KEY_ENV = "SESSION_RUNTIME_UPSTREAM_KEY"  # wins over the protocol's usual variable
 ANTHROPIC_VERSION = "2023-06-01"
@@ -74,6 +79,9 @@ class UpstreamClient:
             out["anthropic-version"] = ANTHROPIC_VERSION
             if self._key:
                 out["x-api-key"] = self._key
+        elif self.protocol == "gemini":
+            if self._key:
+                out["x-goog-api-key"] = self._key
         elif self._key:
             out["authorization"] = f"Bearer {self._key}"
         return out
@@ -81,9 +89,14 @@ class UpstreamClient:
     def post(self, body: dict, encoded: Optional[bytes] = None) -> UpstreamResponse:
         """`encoded`: the body's JSON, when the caller has it (proxy/outbound.py `encode_with`)."""
         t0 = time.perf_counter()
+        path = self._path
+        if self.protocol == "gemini":  # the model is in the path, not the body
+            model = str(body.get("model") or "").removeprefix("models/")
+            body, encoded = {k: v for k, v in body.items() if k != "model"}, None
+            path = path.format(model=quote(model, safe="/"))
         content = encoded if encoded is not None else json.dumps(body, ensure_ascii=False).encode()
         try:
-            with self._direct.post(self._path, content, self.headers()) as r:
+            with self._direct.post(path, content, self.headers()) as r:
                 raw, encoding = r.read(), (r.header("content-encoding") or "").lower()
                 request_id = r.header("x-request-id") or r.header("request-id")
                 status = r.status

@@ -203,6 +203,9 @@ class Outbound:
     def _other_tokens(self, request: ChatRequest) -> int:
         """Tokens of the request's texts outside its messages: a top-level system prompt and the tools."""
         other = [_text(request.params.get(k)) for k in ("system", "instructions")]
+        instruction = request.params.get("systemInstruction")  # Gemini's: a content of parts
+        if isinstance(instruction, dict):
+            other.append(_text(instruction.get("parts")))
         if request.tools:
             other.append(json.dumps(request.tools, ensure_ascii=False))
         return sum(self.count(t) for t in other if t)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import secrets
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -58,6 +59,8 @@ def request_body(protocol: str, system: Optional[str], tools: Sequence[dict], me
         return _chat(protocol, system, list(tools), messages, dict(params), prefix)
     if protocol == "anthropic":
         return _anthropic(protocol, system, list(tools), messages, dict(params), prefix)
+    if protocol == "gemini":
+        return _gemini(protocol, system, list(tools), list(messages), dict(params))
     return _responses(protocol, system, list(tools), list(messages), dict(params))
 
 
@@ -213,15 +216,91 @@ def _responses(protocol, system, tools, messages, params) -> dict:
     return body
 
 
+# Gemini's generationConfig fields for the params every protocol is given in chat's names.
+_GEMINI_CONFIG = {"max_tokens": "maxOutputTokens", "temperature": "temperature", "top_p": "topP", "seed": "seed",
+                  "top_k": "topK"}
+
+
+def _gemini(protocol, system, tools, messages, params) -> dict:
+    """Gemini: a stored message is one turn, a run of tool results one user
+    turn of functionResponse parts (each names its call, and its id where the
+    call had one). A model turn from Gemini goes back as it came (its parts,
+    thought parts and signatures); one built here carries Gemini's documented
+    skip value on its first call, as foreign history must."""
+    contents: list[dict] = []
+    calls: dict[str, tuple[str, bool]] = {}  # call id -> (name, the wire call had an id)
+    for m in messages:
+        if m.role == "user":
+            contents.append({"role": "user", "parts": [{"text": m.content}]})
+        elif m.role == "tool":
+            name, has_id = calls.get(m.tool_call_id, ("", True))
+            response = {**({"id": m.tool_call_id} if has_id else {}), "name": name, "response": _response(m.content)}
+            part = {"functionResponse": response}
+            if contents and contents[-1]["role"] == "user" and all(
+                    "functionResponse" in p for p in contents[-1]["parts"]):
+                contents[-1] = {"role": "user", "parts": [*contents[-1]["parts"], part]}
+            else:
+                contents.append({"role": "user", "parts": [part]})
+        else:
+            wire = wire_of(protocol, m)
+            if wire is None:
+                parts = [{"text": m.content}] if m.content else []
+                for k, c in enumerate(m.tool_calls):
+                    part = {"functionCall": {"id": c.id, "name": c.name, "args": c.arguments}}
+                    if k == 0:
+                        part["thoughtSignature"] = "skip_thought_signature_validator"
+                    parts.append(part)
+                wire = {"role": "model", "parts": parts}
+            wired = [p["functionCall"] for p in wire["parts"] if isinstance(p.get("functionCall"), dict)]
+            for c, w in zip(m.tool_calls, wired):
+                calls[c.id] = (c.name, "id" in w)
+            if wire["parts"]:
+                contents.append(wire)
+    body: dict = {"model": params.pop("model", None)} if "model" in params else {}
+    config = {_GEMINI_CONFIG[k]: params.pop(k) for k in list(params) if k in _GEMINI_CONFIG}
+    body["contents"] = contents
+    if system:
+        body["systemInstruction"] = {"parts": [{"text": system}]}
+    if tools:
+        body["tools"] = [{"functionDeclarations": [
+            {"name": f["name"], "description": f.get("description", ""),
+             "parametersJsonSchema": f.get("parameters", {"type": "object"})} for f in map(tool_schema, tools)]}]
+    body.update(params)  # the rest as given (--upstream-param), top level
+    if config:
+        body["generationConfig"] = {**config, **(body.get("generationConfig") or {})}
+    return body
+
+
+def _response(content: str) -> dict:
+    """A tool result as a functionResponse's `response` (an object): the result's
+    own JSON object, else `{"result": text}`."""
+    try:
+        value = json.loads(content)
+    except (json.JSONDecodeError, TypeError):
+        return {"result": content}
+    return value if isinstance(value, dict) else {"result": content}
+
+
+def _gemini_calls(reply: Reply) -> tuple[ToolCall, ...]:
+    """The answer's calls; one without an id (Gemini may give none) gets one
+    of the runtime's, which never goes back to Gemini (`_gemini` leaves it out)."""
+    return tuple(ToolCall(c.id or f"gemini_{secrets.token_hex(8)}", c.name, _arguments(c.arguments))
+                 for c in reply.message.calls)
+
+
 def reply_parts(protocol: str, body: dict, reply: Reply) -> ReplyParts:
     """What the runtime records of a provider's answer (`body`, parsed as `reply`)."""
     if protocol in ("deepseek", "openai-chat"):
         message = body["choices"][0]["message"]
     elif protocol == "anthropic":
         message = {"role": "assistant", "content": body["content"]}
+    elif protocol == "gemini":
+        message = body["candidates"][0].get("content") or {"role": "model", "parts": []}
     else:
         message = [item for item in body["output"]]
     calls = tuple(ToolCall(c.id, c.name, _arguments(c.arguments)) for c in reply.message.calls)
+    if protocol == "gemini":
+        calls = _gemini_calls(reply)
     content = reply.message.content
     if isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))

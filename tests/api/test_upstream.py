@@ -282,10 +282,10 @@ def test_an_upstream_param_of_null_leaves_the_field_out(scripted):
     assert "temperature" not in sent and sent["reasoning_effort"] == "high" and sent["seed"] == 3
 
 
-# ----- Anthropic Messages and OpenAI Responses: inbound, validated, and as the upstream ----------------
+# ----- Anthropic Messages, OpenAI Responses and Gemini: inbound, validated, and as the upstream ----------------
 
 
-@pytest.fixture(scope="module", params=["anthropic", "openai-responses"])
+@pytest.fixture(scope="module", params=["anthropic", "openai-responses", "gemini"])
 def protocol_validator(request, validator):
     """The validator's engine behind `--validate PROTOCOL` (Anthropic's base URL has no /v1)."""
     live = start_server(validator.runtime, ApiSettings(validate=request.param))
@@ -309,6 +309,12 @@ REFUSED = {
              "arguments": "{\"city\":\"Paris\"}"},
             {"type": "function_call_output", "call_id": "call_1", "output": "15"}]},
         "without its required 'reasoning' item"),
+    "gemini": ("/v1beta/models/gemini-3-pro-preview:generateContent", {
+        "contents": [{"role": "user", "parts": [{"text": "Temp in Paris?"}]},
+                     {"role": "model", "parts": [{"functionCall": {"name": "get_temp", "args": {"city": "Paris"}}}]},
+                     {"role": "user", "parts": [{"functionResponse": {"name": "get_temp", "response": {"t": 15}}}]}],
+        "generationConfig": {"maxOutputTokens": 4}},
+        "Function call is missing a thought_signature"),
 }
 
 
@@ -319,9 +325,9 @@ def test_inbound_refusals_are_the_providers_own(protocol_validator):
     assert r.status_code == 400 and text in json.dumps(r.json()), r.text
 
 
-def test_a_conversation_runs_through_an_anthropic_or_responses_upstream(protocol_validator):
+def test_a_conversation_runs_through_an_anthropic_responses_or_gemini_upstream(protocol_validator):
     protocol, live = protocol_validator
-    base = live.url if protocol == "anthropic" else live.url + "/v1"
+    base = live.url if protocol in ("anthropic", "gemini") else live.url + "/v1"
     with served(backend="upstream", upstream_url=base, upstream_protocol=protocol, upstream_model="m") as proxy:
         c = httpx.Client(base_url=proxy.url, timeout=120)
         cid = c.post("/v1/conversations", json={"system": "Be brief."}).json()["id"]
@@ -334,3 +340,129 @@ def test_a_conversation_runs_through_an_anthropic_or_responses_upstream(protocol
         wire = proxy.runtime.get(cid).trace[1].message.wire
         assert json.loads(wire)["protocol"] == protocol
         c.close()
+
+
+# ----- Gemini as the upstream ------------------------------------------------------------------------
+
+
+class ScriptedGemini:
+    """A Gemini stand-in: answers from `replies` (model contents) in order,
+    records each request (path, key, body), and refuses as Gemini 3 does a
+    request whose current-turn calls lack their signature."""
+
+    def __init__(self) -> None:
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
+
+        from session_runtime.protocols import get_protocol
+
+        self.replies: list[dict] = []
+        self.requests: list[tuple[str, Optional[str], dict]] = []
+        self.app = FastAPI()
+
+        @self.app.post("/v1beta/models/{target:path}")
+        async def generate(target: str, request: Request):
+            body = json.loads(await request.body())
+            self.requests.append((target, request.headers.get("x-goog-api-key"), body))
+            refusal = get_protocol("gemini").validate(body)
+            if refusal is not None:
+                return JSONResponse(refusal.body, status_code=refusal.status)
+            content = self.replies.pop(0)
+            return {"candidates": [{"content": content, "finishReason": "STOP", "index": 0}],
+                    "usageMetadata": {"promptTokenCount": 100, "cachedContentTokenCount": 60,
+                                      "candidatesTokenCount": 5, "thoughtsTokenCount": 3, "totalTokenCount": 108},
+                    "modelVersion": "gemini-3-pro", "responseId": f"g{len(self.requests)}"}
+
+
+@pytest.fixture(scope="module")
+def scripted_gemini():
+    import uvicorn
+
+    provider = ScriptedGemini()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(provider.app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    provider.url = f"http://127.0.0.1:{port}"
+    yield provider
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def _thought(text: str) -> dict:
+    return {"text": text, "thought": True}
+
+
+def _call(cid: Optional[str], name: str, args: dict, signature: Optional[str] = None) -> dict:
+    part = {"functionCall": {**({"id": cid} if cid else {}), "name": name, "args": args}}
+    return {**part, "thoughtSignature": signature} if signature else part
+
+
+def test_a_conversation_through_a_gemini_upstream_keeps_signatures_and_strips_earlier_thoughts(scripted_gemini):
+    """Three turns: parallel calls, then a sequential one, then an answer;
+    a call without an id; the current turn goes whole, earlier turns lose their
+    thought parts, every signature stays on its part, and every request
+    passes Gemini 3's rule (the stand-in refuses any that does not)."""
+    A = {"role": "model", "parts": [_thought("two cities"), _call("c1", "weather", {"city": "Paris"}, "SA"),
+                                    _call("c2", "weather", {"city": "Rome"})]}
+    B = {"role": "model", "parts": [_thought("and the time"), _call("c3", "clock", {"zone": 1}, "SB")]}
+    C = {"role": "model", "parts": [_thought("done"), {"text": "Mild."}, {"text": "", "thoughtSignature": "SC"}]}
+    D = {"role": "model", "parts": [_thought("oslo"), _call(None, "weather", {"city": "Oslo"}, "SD")]}
+    E = {"role": "model", "parts": [{"text": "Cold."}]}
+    F = {"role": "model", "parts": [{"text": "Bye."}]}
+    g = scripted_gemini
+    g.replies[:] = [A, B, C, D, E, F]
+    g.requests.clear()
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("weather", "clock")]
+    with served(backend="upstream", upstream_url=g.url, upstream_protocol="gemini", upstream_model="gemini-3-pro",
+                upstream_key="g-key") as live:
+        c = httpx.Client(base_url=live.url, timeout=60)
+        cid = c.post("/v1/conversations", json={"system": "Use the tools.", "tools": tools}).json()["id"]
+
+        def ok(r):
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        step = ok(c.post(f"/v1/conversations/{cid}/messages", json={"content": "Paris and Rome?"}))
+        assert [t["id"] for t in step["tool_calls"]] == ["c1", "c2"] and step["reasoning"] == "two cities"
+        step = ok(c.post(f"/v1/conversations/{cid}/tool_results", json={"results": [
+            {"tool_call_id": "c1", "content": "{\"t\": 20}"}, {"tool_call_id": "c2", "content": "25 C"}]}))
+        step = ok(c.post(f"/v1/conversations/{cid}/tool_results",
+                         json={"results": [{"tool_call_id": "c3", "content": "13:00"}]}))
+        assert step["content"] == "Mild." and step["accounting"]["cached_input_tokens"] == 60
+        step = ok(c.post(f"/v1/conversations/{cid}/messages", json={"content": "And Oslo?"}))
+        (oslo,) = step["tool_calls"]
+        assert oslo["name"] == "weather" and oslo["id"]  # Gemini gave none: the runtime's own
+        ok(c.post(f"/v1/conversations/{cid}/tool_results", json={"results": [{"tool_call_id": oslo["id"],
+                                                                               "content": "-2 C"}]}))
+        step = ok(c.post(f"/v1/conversations/{cid}/messages", json={"content": "Thanks."}))
+        assert step["accounting"]["upstream"]["protocol"] == "gemini"
+        stripper = step["accounting"]["upstream"]["stripper"]
+        c.close()
+    paths = {target for target, _, _ in g.requests}
+    assert paths == {"gemini-3-pro:generateContent"} and {key for _, key, _ in g.requests} == {"g-key"}
+    bodies = [body for _, _, body in g.requests]
+    assert all("model" not in b for b in bodies) and bodies[0]["systemInstruction"] == {
+        "parts": [{"text": "Use the tools."}]}
+    # Inside turn 1 the model's turns go back whole; the results name their calls.
+    assert bodies[1]["contents"][1] == A
+    assert bodies[1]["contents"][2] == {"role": "user", "parts": [
+        {"functionResponse": {"id": "c1", "name": "weather", "response": {"t": 20}}},
+        {"functionResponse": {"id": "c2", "name": "weather", "response": {"result": "25 C"}}}]}
+    assert bodies[2]["contents"][1:4:2] == [A, B]
+    # Turn 2: turn 1's thought parts are gone, each signature still on its part.
+    history = bodies[3]["contents"]
+    assert history[1] == {"role": "model", "parts": A["parts"][1:]} and history[3] == {"role": "model",
+                                                                                     "parts": B["parts"][1:]}
+    assert history[5] == {"role": "model", "parts": C["parts"][1:]}
+    assert not any(p.get("thought") for m in history for p in m["parts"])
+    # The call without an id: its response names it only.
+    assert bodies[4]["contents"][-2] == D and bodies[4]["contents"][-1] == {"role": "user", "parts": [
+        {"functionResponse": {"name": "weather", "response": {"result": "-2 C"}}}]}
+    # Turn 3: turn 2's thoughts stripped too, counted by the stripper.
+    assert bodies[5]["contents"][-4] == {"role": "model", "parts": D["parts"][1:]}
+    assert stripper["mode"] == "lenient" and stripper["messages_stripped"] == 4

@@ -49,6 +49,13 @@ ANSWERS = {
         "usage": {"input_tokens": 3, "output_tokens": 4}},
 }
 ANSWERS["openai-chat"] = ANSWERS["deepseek"]
+ANSWERS["gemini"] = {"candidates": [{"content": {"role": "model", "parts": [
+    {"text": "need calc", "thought": True},
+    {"text": "let me see"},
+    {"functionCall": {"id": "call_1", "name": "calc", "args": {"e": "1"}}, "thoughtSignature": "S1"},
+    {"text": "and again", "thought": True},
+    {"functionCall": {"id": "call_2", "name": "calc", "args": {"e": "2"}}}]}, "finishReason": "STOP", "index": 0}],
+    "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 4, "totalTokenCount": 7}}
 
 
 def local_history() -> list[Message]:
@@ -119,6 +126,10 @@ def test_the_providers_answer_goes_back_verbatim_in_the_next_body(protocol):
     elif protocol == "anthropic":
         assert body["messages"][1] == {"role": "assistant", "content": answer["content"]} == wire
         assert [b["type"] for b in body["messages"][2]["content"]] == ["tool_result", "tool_result"]
+    elif protocol == "gemini":
+        assert body["contents"][1] == answer["candidates"][0]["content"] == wire  # thoughts and signatures
+        assert [p["functionResponse"]["id"] for p in body["contents"][2]["parts"]] == ["call_1", "call_2"]
+        assert "model" not in body["generationConfig"] and body["generationConfig"]["maxOutputTokens"] == 8
     else:
         assert body["input"][1:6] == answer["output"] == wire  # every output item, in order
         assert body["store"] is False and body["include"] == ["reasoning.encrypted_content"]

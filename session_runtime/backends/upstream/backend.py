@@ -1,5 +1,5 @@
 """UpstreamBackend: a provider's API (DeepSeek, an OpenAI-compatible server,
-OpenAI Responses, Anthropic) answers each step of a conversation.
+OpenAI Responses, Anthropic, Gemini) answers each step of a conversation.
 
 No KV lives here, so nothing is probed, held or offloaded: the tree methods
 answer "empty". A step takes the conversation's trace (every reasoning block,
@@ -66,6 +66,8 @@ class UpstreamBackend(HoldsNoChain, Backend):
             params["top_p"] = s.top_p
         if s.seed is not None and self.config.upstream_protocol != "anthropic":
             params["seed"] = s.seed
+        if s.top_k and self.config.upstream_protocol in ("anthropic", "gemini"):
+            params["top_k"] = s.top_k
         for name, text in self.config.upstream_params:  # last: they win; null leaves the field out
             value = json.loads(text)
             if value is None:
