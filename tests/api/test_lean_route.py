@@ -59,7 +59,8 @@ def test_the_step_routes_are_lean_and_the_others_are_not(both):
     assert lean == {"/v1/conversations/{cid}/messages": True, "/v1/conversations/{cid}/tool_results": True,
                     "/v1/chat/completions": True, "/v1/models": False, "/v1/models/{model:path}": False,
                     "/v1/messages": True, "/v1/messages/count_tokens": True, "/v1/responses": True,
-                    "/v1/responses/{rid}": False}
+                    "/v1/responses/{rid}": False, "/v1beta/models/{target:path}": True,
+                    "/v1/models/{target:path}": True}
     assert both[0].get("/openapi.json").json() == both[1].get("/openapi.json").json()
 
 

@@ -3,7 +3,8 @@ operation with generated and malformed inputs. No response is a 5xx, and every
 error body has the documented shape (`{"error": {"type", "message"}}` on the
 session API, OpenAI's `{"error": {"message", "type", "param", "code"}}` on the
 OpenAI routes, Anthropic's `{"type": "error", "error": {"type", "message"}}` on
-/v1/messages)."""
+/v1/messages, Google's `{"error": {"code", "message", "status"}}` on the Gemini
+routes)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, settings
 
 from session_runtime import Runtime, RuntimeConfig
 from session_runtime.api.app import create_app
-from session_runtime.api.errors import is_anthropic_route, is_openai_route
+from session_runtime.api.errors import is_anthropic_route, is_gemini_route, is_openai_route
 
 RUNTIME = Runtime(RuntimeConfig(model="tiny", pool_tokens=4096, max_context=256, max_tokens_limit=4,
                                 max_conversations_per_tenant=50), background=False)
@@ -44,6 +45,8 @@ def test_no_5xx_and_every_error_in_its_shape(case):
         else:
             assert set(body) == {"error"}, body
         want = {"message", "type", "param", "code"} if is_openai_route(case.path) else {"type", "message"}
+        if is_gemini_route(case.path):
+            want = {"code", "message", "status"}
         assert set(body["error"]) >= want and isinstance(body["error"]["message"], str), (case.path, body)
 
 
