@@ -57,7 +57,9 @@ from session_runtime.api.streaming import cancellable
 from session_runtime.api.token_count import prompt_tokens
 from session_runtime.errors import InvalidRequest, RuntimeErrorBase
 from session_runtime.protocols import get_protocol
-from session_runtime.protocols.gemini import SKIP_SIGNATURES, SIGNATURE, camel_keys, current_steps
+from session_runtime.protocols.gemini import (
+    SIGNATURE, SKIP_SIGNATURES, camel_keys, current_steps, missing_signature_message,
+)
 from session_runtime.server_secret import ServerSecret
 
 PREFIXES = ("/v1beta/models/", "/v1/models/")  # Gemini CLI's and the google-genai SDK's (v1 by default)
@@ -237,12 +239,7 @@ def check_signatures(messages, secret: ServerSecret) -> int:
             skips += 1
             continue
         if signature is None:
-            raise InvalidRequest(
-                f"Function call is missing a thought_signature in functionCall parts. This is required for tools to "
-                f"work correctly, and missing thought_signature may lead to degraded model performance. Additional "
-                f"data, function call `default_api:{first.name}` , position {i + 1}. Please refer to "
-                "https://ai.google.dev/gemini-api/docs/thought-signatures for more details.",
-                param=f"contents[{i}].parts")
+            raise InvalidRequest(missing_signature_message(first.name, i), param=f"contents[{i}].parts")
         if not verified(secret, signature, first.name, args):
             raise InvalidRequest(f"contents[{i}]: Invalid/Corrupted thought signature: it was not made by this "
                                  "server for this function call", param=f"contents[{i}].parts")

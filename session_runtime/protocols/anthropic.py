@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from session_runtime.protocols.base import (
     ChatProtocol, MessagesHistory, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, dig,
-    error_message, expect_ints, expect_list, expect_object, expect_str, is_int, parse_messages_request,
+    known_400, expect_ints, expect_list, expect_object, expect_str, is_int, parse_messages_request,
     render_messages_request,
 )
 from session_runtime.protocols.canonical import Call, ChatRequest, Msg, Reasoning, Reply, Usage
@@ -188,10 +188,7 @@ class Anthropic(MessagesHistory, ChatProtocol):
         return None
 
     def known_error(self, status: int, body: dict) -> Optional[str]:
-        if status != 400:
-            return None
-        text = error_message(body)
-        return next((name for needle, name in _KNOWN if needle in text), None)
+        return known_400(status, body, _KNOWN)
 
 
 def render_blocks(msg: Msg) -> list:

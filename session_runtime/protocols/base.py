@@ -307,6 +307,14 @@ def error_message(body: Any) -> str:
     return body if isinstance(body, str) else ""
 
 
+def known_400(status: int, body: dict, known: tuple[tuple[str, str], ...]) -> Optional[str]:
+    """The name of a 400 whose message holds one of `known`'s (needle, name) needles, else None."""
+    if status != 400:
+        return None
+    text = error_message(body)
+    return next((name for needle, name in known if needle in text), None)
+
+
 def openai_error(status: int, name: str, message: str, param: Optional[str] = None,
                  code: Optional[str] = None) -> ProtocolError:
     """An error in OpenAI's body shape (DeepSeek's too)."""

@@ -30,7 +30,7 @@ import json
 from typing import Any, Optional
 
 from session_runtime.protocols.base import (
-    ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, error_message,
+    ChatProtocol, ProtocolError, ProtocolInputError, StripOptions, StripResult, arrange, clone, known_400,
     expect_list, expect_object, expect_str, is_int, strip_result,
 )
 from session_runtime.protocols.canonical import Call, ChatRequest, Msg, Reasoning, Reply, Usage
@@ -258,18 +258,11 @@ class Gemini(ChatProtocol):
         missing = missing_signature(req.messages)
         if missing is not None:
             i, name = missing
-            return error(400, f"Function call is missing a thought_signature in functionCall parts. This is required "
-                              f"for tools to work correctly, and missing thought_signature may lead to degraded model "
-                              f"performance. Additional data, function call `default_api:{name}` , position {i + 1}. "
-                              "Please refer to https://ai.google.dev/gemini-api/docs/thought-signatures for more "
-                              "details.", "gemini.thought_signature_missing")
+            return error(400, missing_signature_message(name, i), "gemini.thought_signature_missing")
         return None
 
     def known_error(self, status: int, body: dict) -> Optional[str]:
-        if status != 400:
-            return None
-        text = error_message(body)
-        return next((name for needle, name in _KNOWN if needle in text), None)
+        return known_400(status, body, _KNOWN)
 
 
 def current_steps(messages: tuple[Msg, ...]) -> range:
@@ -288,6 +281,14 @@ def missing_signature(messages: tuple[Msg, ...]) -> Optional[tuple[int, str]]:
         if m.role == "assistant" and m.calls and not (m.calls[0].opaque or {}).get(SIGNATURE):
             return i, m.calls[0].name
     return None
+
+
+def missing_signature_message(name: str, index: int) -> str:
+    """Gemini 3's words for a current-turn call without its signature (`index`: its turn's)."""
+    return (f"Function call is missing a thought_signature in functionCall parts. This is required for tools to work "
+            f"correctly, and missing thought_signature may lead to degraded model performance. Additional data, "
+            f"function call `default_api:{name}` , position {index + 1}. Please refer to "
+            "https://ai.google.dev/gemini-api/docs/thought-signatures for more details.")
 
 
 def without_thoughts(msg: Msg) -> Msg:

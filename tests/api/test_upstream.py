@@ -194,23 +194,32 @@ class ScriptedDeepSeek:
                               "prompt_cache_hit_tokens": 64, "prompt_cache_miss_tokens": 36}}
 
 
-@pytest.fixture(scope="module")
-def scripted():
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """A stand-in provider's ASGI app on loopback; yields its base URL."""
     import uvicorn
 
-    provider = ScriptedDeepSeek()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(provider.app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    provider.url = f"http://127.0.0.1:{port}/v1"
-    yield provider
-    server.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    provider = ScriptedDeepSeek()
+    with serving(provider.app) as url:
+        provider.url = url + "/v1"
+        yield provider
 
 
 CALL = {"id": "call_up_7", "type": "function", "function": {"name": "calc", "arguments": "{\"expr\": \"2+2\"}"}}
@@ -376,21 +385,10 @@ class ScriptedGemini:
 
 @pytest.fixture(scope="module")
 def scripted_gemini():
-    import uvicorn
-
     provider = ScriptedGemini()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(provider.app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    provider.url = f"http://127.0.0.1:{port}"
-    yield provider
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(provider.app) as url:
+        provider.url = url
+        yield provider
 
 
 def _thought(text: str) -> dict:

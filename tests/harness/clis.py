@@ -37,6 +37,15 @@ def _run(argv: list[str], env: dict, cwd: Path) -> Run:
     return Run(p.returncode, p.stdout, p.stderr)
 
 
+def _json_result(run: Run, cli: str) -> dict:
+    """The JSON result a CLI printed. Raises AssertionError with its output where it printed none."""
+    try:
+        return json.loads(run.stdout)
+    except ValueError:
+        raise AssertionError(f"{cli} printed no JSON result (exit {run.returncode}): {run.stdout[-2000:]}"
+                             f"{run.stderr[-2000:]}") from None
+
+
 class ClaudeCode:
     """`claude -p` pointed at `url`, asking for `model`; `extra`: more flags."""
 
@@ -53,12 +62,7 @@ class ClaudeCode:
         """The CLI's JSON result of one `claude -p` (`--continue` for the next turn)."""
         argv = ["claude", "-p", *(["--continue"] if resume else []), prompt, "--model", self.model,
                 "--output-format", "json", *self.extra]
-        run = _run(argv, self.env, self.work)
-        try:
-            return json.loads(run.stdout)
-        except ValueError:
-            raise AssertionError(f"claude printed no JSON result (exit {run.returncode}): {run.stdout[-2000:]}"
-                                 f"{run.stderr[-2000:]}") from None
+        return _json_result(_run(argv, self.env, self.work), "claude")
 
 
 def claude_ok(result: dict) -> bool:
@@ -106,12 +110,7 @@ class GeminiCLI:
         """The CLI's JSON result of one `gemini -p` (`--resume latest` for the next turn)."""
         argv = ["gemini", "-m", self.model, *(["--resume", "latest"] if resume else []), "-p", prompt,
                 "--output-format", "json"]
-        run = _run(argv, self.env, self.work)
-        try:
-            return json.loads(run.stdout)
-        except ValueError:
-            raise AssertionError(f"gemini printed no JSON result (exit {run.returncode}): {run.stdout[-2000:]}"
-                                 f"{run.stderr[-2000:]}") from None
+        return _json_result(_run(argv, self.env, self.work), "gemini")
 
 
 def inferred(client: httpx.Client, protocol: str) -> list[dict]:
