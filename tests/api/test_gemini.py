@@ -285,3 +285,24 @@ def test_validate_gemini_answers_as_geminis_validator():
         assert len(live.runtime.conversations) == 0
         assert c.post(url, json=body("Q2hpY2tlbg==")).status_code == 200
         assert c.post(url, json=body(None, earlier=True)).status_code == 200
+
+
+def test_mode_none_and_stop_sequences(sdk, rt):
+    """toolConfig NONE: no call, the tools still in the prompt; stopSequences
+    end the answer before the sequence, which is never sent."""
+    base = dict(max_output_tokens=24, temperature=0, thinking_config=types.ThinkingConfig(thinking_budget=0))
+    free = sdk.models.generate_content(model=MODEL, contents=[user("[gemini] Stop somewhere.")],
+                                       config=types.GenerateContentConfig(**base))
+    text = free.text or ""
+    assert len(text) >= 6, text
+    stop = text[3:6]
+    cut = sdk.models.generate_content(model=MODEL, contents=[user("[gemini] Stop somewhere.")],
+                                      config=types.GenerateContentConfig(**base, stop_sequences=[stop]))
+    assert (cut.text or "") == text[:text.index(stop)]
+    assert cut.candidates[0].finish_reason == types.FinishReason.STOP
+    none = sdk.models.generate_content(model=MODEL, contents=[user("[gemini] No calls.")], config=types.GenerateContentConfig(
+        **base, tools=TOOLS, tool_config=types.ToolConfig(
+            function_calling_config=types.FunctionCallingConfig(mode="NONE"))))
+    assert not none.function_calls
+    offered = sdk.models.count_tokens(model=MODEL, contents=[user("[gemini] No calls.")])
+    assert none.usage_metadata.prompt_token_count > offered.total_tokens + 20  # the tools are in the prompt
