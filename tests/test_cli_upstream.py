@@ -89,5 +89,6 @@ def test_validate_goes_to_the_api_settings():
     assert api_settings_from_args(args).validate == "openai-responses"
     assert config_from_args(args).backend == "embedded"  # the local engine answers what passes
     assert api_settings_from_args(build_parser().parse_args(["serve"])).validate is None
+    assert api_settings_from_args(build_parser().parse_args(["serve", "--validate", "gemini"])).validate == "gemini"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--validate", "gemini"])
+        build_parser().parse_args(["serve", "--validate", "bard"])
