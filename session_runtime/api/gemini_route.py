@@ -49,7 +49,7 @@ from session_runtime.api.errors import GEMINI_METHODS as METHODS
 from session_runtime.api.gemini_stream import Chunks, answer_parts, call_signature, finish_reason, usage_metadata
 from session_runtime.api.lean_route import LeanRoute
 from session_runtime.api.openai_compat import served_name
-from session_runtime.api.protocol_routes import new_id, read_body, step_input
+from session_runtime.api.protocol_routes import new_id, parse, read_body, step_input
 from session_runtime.api.proxy_routes import validation_error
 from session_runtime.api.settings import Caller
 from session_runtime.api.step_input import CONVERSATION_HEADER, Stateless, StepAnswers
@@ -90,9 +90,10 @@ def build(answers: StepAnswers, validate: Optional[str], runtime) -> APIRouter:
         if method == "countTokens":
             return await _count(runtime, adapter, raw, caller)
         secret: ServerSecret = request.app.state.secret
-        inp = step_input(adapter, PROTOCOL, raw, None)
+        parsed = parse(adapter, raw)  # read once, for the step and for the signatures
+        inp = step_input(adapter, PROTOCOL, raw, None, parsed)
         _check_parts(raw)
-        skips = 0 if as_provider else check_signatures(adapter.parse_request(raw).messages, secret)
+        skips = 0 if as_provider else check_signatures(parsed.messages, secret)
         if skips:
             request.app.state.metrics.counters["gemini_signature_skips_total"].inc(skips)
         stream = method == "streamGenerateContent"

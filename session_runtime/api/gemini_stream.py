@@ -19,7 +19,8 @@ import json
 from typing import Iterator, Optional
 
 from session_runtime.api.streaming import Event, Prefill
-from session_runtime.protocols.gemini import SIGNATURE, status_name
+from session_runtime.api.errors import gemini_body
+from session_runtime.protocols.gemini import SIGNATURE
 from session_runtime.server_secret import ServerSecret
 from session_runtime.step import Step
 
@@ -83,11 +84,6 @@ def finish_reason(step: Step) -> str:
     return "MAX_TOKENS" if step.finish_reason == "length" else "STOP"
 
 
-def error_body(status: int, message: str) -> dict:
-    """Google's error object."""
-    return {"error": {"code": status, "message": message, "status": status_name(status)}}
-
-
 class Chunks:
     """One answer's stream state: its id, model, secret and whether thoughts
     are shown; `sse` and `array` render the step's events."""
@@ -117,7 +113,7 @@ class Chunks:
             elif kind == "content":
                 yield self.chunk([{"text": value}])
             elif kind == "error":
-                yield error_body(value.status if value.status != 422 else 400, value.message)
+                yield gemini_body(value)[1]  # Google's status and body, as the error handlers answer it
                 return
             elif kind == "step":
                 self.usage = usage_metadata(value)

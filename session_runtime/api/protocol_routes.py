@@ -81,16 +81,22 @@ async def read_body(request: Request) -> object:
         raise InvalidRequest(f"the body is not JSON: {exc}") from None
 
 
-def step_input(adapter, protocol: str, raw: object, served: Optional[str]) -> StepInput:
+def parse(adapter, raw: object):
+    """The body parsed by its protocol's adapter. Raises InvalidRequest naming the field it could not read."""
+    try:
+        return adapter.parse_request(raw)
+    except ProtocolInputError as exc:
+        raise InvalidRequest(str(exc), param=exc.path) from None
+
+
+def step_input(adapter, protocol: str, raw: object, served: Optional[str], parsed=None) -> StepInput:
     """The runtime's step request for a body of `protocol` (its history in the
     runtime's message shape, its sampling figures checked); with `served`,
     the body's model must be that one. Raises InvalidRequest naming the field
     the protocol could not read or the runtime would refuse (in the
-    protocol's own name), ModelNotFound for another model."""
-    try:
-        parsed = adapter.parse_request(raw)
-    except ProtocolInputError as exc:
-        raise InvalidRequest(str(exc), param=exc.path) from None
+    protocol's own name), ModelNotFound for another model. `parsed`: the
+    body already parsed (`parse`), where the route reads it too."""
+    parsed = parsed if parsed is not None else parse(adapter, raw)
     assert isinstance(raw, dict)  # parse_request refuses any other body
     field, missing = _HISTORY[protocol]
     if not parsed.messages:

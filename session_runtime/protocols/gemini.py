@@ -233,10 +233,7 @@ class Gemini(ChatProtocol):
     def history_boundary(messages: tuple[Msg, ...], options: StripOptions) -> int:
         """The current turn's first message: the last user turn that is not only
         function responses (0, none, under "all_turns")."""
-        if options.context == "all_turns":
-            return 0
-        return max(next((i for i in range(len(messages) - 1, -1, -1)
-                         if messages[i].role == "user" and not function_responses(messages[i])), -1), 0)
+        return 0 if options.context == "all_turns" else current_steps(messages).start
 
     @staticmethod
     def strips(m: Msg, options: StripOptions) -> bool:
