@@ -101,8 +101,11 @@ class GeminiCLI:
         self.work = home / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         (home / ".gemini").mkdir(exist_ok=True)
+        # Skills off: the CLI lists its built-in skills in its system prompt in an order that varies
+        # from one run to the next, so a resumed session's system prompt would differ from the first
+        # run's about half the time, which is a new conversation by the inference's rules.
         (home / ".gemini" / "settings.json").write_text(
-            json.dumps({"security": {"auth": {"selectedType": "gemini-api-key"}}}))
+            json.dumps({"security": {"auth": {"selectedType": "gemini-api-key"}}, "skills": {"enabled": False}}))
         self.env = {"HOME": str(home), "GOOGLE_GEMINI_BASE_URL": url, "GEMINI_API_KEY": "test-key",
                     "GEMINI_CLI_TRUST_WORKSPACE": "true"}
 
