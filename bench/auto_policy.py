@@ -41,7 +41,7 @@ SCALES = (0.1, 1.0, 10.0)
 
 def default_price(cost_model: str) -> float:
     sys.path.insert(0, str(REPO))
-    from session_runtime.replay.economics import cost_model as build, default_kv_price
+    from session_runtime.cost_model import cost_model as build, default_kv_price
 
     return default_kv_price(build(cost_model))
 

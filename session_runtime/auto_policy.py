@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from session_runtime.replay.economics import CostModel, prefill_work
+from session_runtime.cost_model import CostModel, prefill_work
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ class AutoPolicy:
         the model is neither a preset nor a folder with config.json."""
         if self._cost is None:
             from session_runtime.errors import InvalidRequest
-            from session_runtime.replay.economics import cost_model
+            from session_runtime.cost_model import cost_model
 
             try:
                 self._cost = cost_model(*self._spec)
@@ -266,7 +266,7 @@ class AutoPolicy:
     def kv_price(self) -> float:
         """FLOPs one KV token-second is worth."""
         if self._kv_price is None:
-            from session_runtime.replay.economics import default_kv_price
+            from session_runtime.cost_model import default_kv_price
 
             self._kv_price = default_kv_price(self.cost)
         return self._kv_price

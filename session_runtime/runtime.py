@@ -20,7 +20,8 @@ from typing import Callable, Iterator, Optional, Sequence
 from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation
-from session_runtime.backends.base import Cancellation, create_backend
+from session_runtime.backends import create_backend
+from session_runtime.backends.base import Cancellation
 from session_runtime.errors import (BackendUnavailable, storage_failure, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
                                    ToolCallConflict, WorkerNotFound)
 from session_runtime.auto_policy import AutoPolicy

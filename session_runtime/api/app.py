@@ -28,7 +28,7 @@ from session_runtime.api.forward import Forward
 from session_runtime.api.lean_route import lean_post
 from session_runtime.api.limits import BodyLimit
 from session_runtime.api.openai_compat import build_router
-from session_runtime.api.protocol_routes import build_protocol_routes
+from session_runtime.api import gemini_route, messages_route, responses_route
 from session_runtime.api.settings import ApiSettings, Caller
 from session_runtime.api.streaming import cancellable, sse_step
 from session_runtime.api.security_headers import SecurityHeaders
@@ -183,8 +183,9 @@ def create_app(runtime: Runtime, settings: Optional[ApiSettings] = None) -> Fast
 
     chat = build_router(runtime, metrics.record_step, metrics.record_error, settings.validate)
     app.include_router(chat)
-    if runtime.backend.name != "upstream":  # Anthropic Messages and OpenAI Responses, answered here
-        app.include_router(build_protocol_routes(chat.answers, settings.validate, runtime))
+    if runtime.backend.name != "upstream":  # Anthropic Messages, OpenAI Responses and Gemini, answered here
+        for route in (messages_route, responses_route, gemini_route):  # api/protocol_routes.py: what they share
+            app.include_router(route.build(chat.answers, settings.validate, runtime))
 
     @app.post("/admin/workers/{wid}/drain")
     def drain(wid: str) -> dict:

@@ -1,6 +1,7 @@
 """What Anthropic Messages (`POST /v1/messages`, api/messages_route.py) and
 OpenAI Responses (`POST /v1/responses`, api/responses_route.py) share when
-the local engine answers them.
+the local engine answers them (each route, in its own module, imports this one;
+api/app.py mounts them).
 
 A request is parsed by its protocol adapter, checked as that provider checks
 it when the server runs `--validate` for it (refused with the provider's own
@@ -26,11 +27,11 @@ import json
 import secrets
 from typing import Optional
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from session_runtime.api.errors import ModelNotFound
 from session_runtime.api.proxy_routes import answerable
-from session_runtime.api.step_input import FINISH, StepAnswers, StepInput, sampling_figures
+from session_runtime.api.step_input import FINISH, StepInput, sampling_figures
 from session_runtime.constrained import wire
 from session_runtime.constrained.spec import OutputConstraint
 from session_runtime.errors import InvalidRequest
@@ -50,18 +51,6 @@ _NAMES = {"anthropic": {"max_tokens": "max_tokens", "temperature": "temperature"
           "openai-responses": {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"},
           "gemini": {"max_tokens": "generationConfig.maxOutputTokens", "temperature": "generationConfig.temperature",
                      "top_p": "generationConfig.topP"}}
-
-
-def build_protocol_routes(answers: StepAnswers, validate: Optional[str], runtime) -> APIRouter:
-    """The routes of ROUTES, each in its own module (api/messages_route.py,
-    api/responses_route.py), answering through `answers` (api/step_input.py)."""
-    from session_runtime.api import gemini_route, messages_route, responses_route
-
-    router = APIRouter()
-    router.include_router(messages_route.build(answers, validate, runtime))
-    router.include_router(responses_route.build(answers, validate, runtime))
-    router.include_router(gemini_route.build(answers, validate, runtime))
-    return router
 
 
 def new_id(prefix: str, random_bytes: int = 12) -> str:

@@ -4,8 +4,9 @@ Three implementations, each in its own folder: `embedded` (our decoder over
 SGLang's pools, one step at a time, in this process), `sglang` (SGLang's
 own server, batched, with `radix_ext` as its radix-cache backend) and
 `upstream` (a provider's API answers each step; no KV here). Nothing
-outside a backend's folder imports its internals; `create_backend` picks one
-by name and imports it lazily.
+outside a backend's folder imports its internals; `create_backend`
+(backends/__init__.py) picks one by name and imports it lazily, and this
+module imports none of them.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Callable, Optional, Sequence
 
 from radix_ext.tree import Namespace, NodeInfo, ProbeResult
 from session_runtime.accounting import StepAccounting
-from session_runtime.config import BACKENDS  # noqa: F401  (the names create_backend takes)
 from session_runtime.errors import DeadlineExceeded, RuntimeErrorBase
 from session_runtime.metrics import Sample
+from session_runtime.offload import NoOffload
 from session_runtime.sampling import SamplingParams
 from session_runtime.templates.base import Message
 
@@ -319,8 +320,6 @@ class Backend(ABC):
 
     def make_offload(self, background: bool = True, idle_ttl_s: float = 0.0):
         """The tool-wait offload manager that fits this backend (NoOffload when it has no host tier)."""
-        from session_runtime.offload import NoOffload
-
         return NoOffload()
 
     def reload(self, owner: str, namespace: Namespace, prompt: list[int]) -> None:
@@ -371,21 +370,3 @@ class HoldsNoChain:
 
     def chain_lengths(self) -> dict[str, int]:
         return {}
-
-
-def create_backend(config, tokenizer) -> Backend:
-    """The configured backend, imported lazily (SGLang's server needs none of
-    the embedded decoder, and the other way round). Raises InvalidRequest."""
-    if config.backend == "embedded":
-        from session_runtime.backends.embedded import build
-
-        return build(config, tokenizer)
-    if config.backend == "sglang":
-        from session_runtime.backends.sglang import build
-
-        return build(config, tokenizer)
-    if config.backend == "upstream":
-        from session_runtime.backends.upstream import build
-
-        return build(config, tokenizer)
-    raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")

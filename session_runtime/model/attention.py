@@ -30,7 +30,7 @@ from session_runtime.config import ATTENTION_BACKENDS, ModelConfig
 from session_runtime.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from session_runtime.model.decoder import ForwardBatch
+    from session_runtime.model.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from session_runtime.config import ModelConfig
 from session_runtime.model.attention import AttentionBackend, SdpaAttention
+from session_runtime.model.forward_batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):
@@ -114,20 +115,6 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class ForwardBatch:
-    """One chunk of one sequence: where its K/V go and what it attends over."""
-
-    __slots__ = ("kv_pool", "positions", "out_slots", "ctx_slots")
-
-    def __init__(self, kv_pool, positions: torch.Tensor, out_slots: torch.Tensor, ctx_slots: torch.Tensor):
-        self.kv_pool = kv_pool
-        self.positions = positions
-        self.out_slots = out_slots
-        self.ctx_slots = ctx_slots
-        assert len(out_slots) == len(positions), "one output slot per new token"
-        assert int(positions[-1]) == len(ctx_slots) - 1, "the new tokens must end the context"
 
 
 class Decoder(nn.Module):

@@ -27,7 +27,8 @@ validating a trace is instant.
 from session_runtime.replay.command import add_arguments, run_command
 from session_runtime.replay.report import Progress, describe_run, format_table, totals_table, turn_table
 from session_runtime.replay.run import ReplayError, ReplayResult, RunSpec, TurnResult, parse_run_spec, replay
-from session_runtime.replay.trace import Trace, TraceError, TraceStep, TraceTurn, load_trace, parse_trace
+from session_runtime.replay.formats.jsonl import load_trace, parse_trace
+from session_runtime.replay.trace import Trace, TraceError, TraceStep, TraceTurn
 from session_runtime.replay.formats import FORMATS, collect_paths, detect
 from session_runtime.replay.formats import load as load_any
 

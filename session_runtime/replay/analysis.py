@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from session_runtime.replay.composition import RENDERINGS, Composition, ReasoningShare, reasoning_share, \
     request_compositions
-from session_runtime.replay.economics import KV_PRICE_ASSUMES, Clock, CostModel, RunEconomics, compare_base, \
-    cost_model, default_kv_price, ratios, run_economics, trace_times, verdict
+from session_runtime.cost_model import KV_PRICE_ASSUMES, CostModel, cost_model, default_kv_price
+from session_runtime.replay.clock import Clock, trace_times
+from session_runtime.replay.economics import RunEconomics, compare_base, ratios, run_economics, verdict
 from session_runtime.replay.report import format_table
 
 if TYPE_CHECKING:

@@ -17,17 +17,7 @@ output tokens:
   q' tokens on the fork's H' = context - q', attention q'*H' + q'*(q'+1)/2. The
   last turn's is reported apart (`after_end`): in a replay no later message can
   use it;
-- FLOPs: 2 * N * tokens for the linear layers (N: the non-embedding weights:
-  q, k, v, o projections and the gated MLP of every layer; norms left out), plus
-  4 * layers * q_heads * head_dim * context for attention (QK^T and AV, per
-  token), plus 2 * hidden * vocab for each logits row (one per generated token;
-  materialization computes none);
-- bytes: weights read once per forward (N, plus the LM head when it computes
-  logits), at `dtype`; a step's forwards are ceil(q / prefill_chunk) prefill
-  chunks and n - 1 decodes (its first token comes from the prefill's logits);
-  KV read: each decode token reads its context, each prefill chunk reads the KV
-  of everything up to its end once; KV written: every computed token once. KV
-  bytes per token: 2 * layers * kv_heads * head_dim * element size;
+- FLOPs and bytes: as session_runtime/cost_model.py prices token work;
 - KV held over time (token-seconds): the tokens the conversation holds, summed
   over a clock's intervals. During a step: its prompt and output; while its tool
   calls run: the chain after it; between turns: the chain the closed turn left
@@ -40,141 +30,19 @@ output tokens:
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, astuple, dataclass, field
-from datetime import datetime
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
+
+from session_runtime.cost_model import CostModel, Work, decode_work, prefill_work
+from session_runtime.replay.clock import Clock, trace_times
 
 if TYPE_CHECKING:
     from session_runtime.accounting import StepAccounting
-    from session_runtime.config import ModelConfig
     from session_runtime.replay.run import ReplayResult, TurnResult
     from session_runtime.replay.trace import Trace
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-# ----- the model shape ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """A model shape priced per token; `dtype` sets weight and KV element size."""
-
-    name: str
-    shape: "ModelConfig"
-    dtype: str = "bfloat16"
-    prefill_chunk: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"cost dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-
-    @property
-    def element_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def non_embedding_params(self) -> int:
-        s = self.shape
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        return s.num_layers * (s.hidden_size * (q + 2 * kv) + q * s.hidden_size + 3 * s.hidden_size * s.intermediate_size)
-
-    @property
-    def lm_head_params(self) -> int:
-        return self.shape.hidden_size * self.shape.vocab_size
-
-    @property
-    def attention_flops_per_context(self) -> int:
-        return 4 * self.shape.num_layers * self.shape.num_heads * self.shape.head_dim
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        s = self.shape
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.element_bytes
-
-    def describe(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "prefill_chunk": self.prefill_chunk,
-                "non_embedding_params": self.non_embedding_params, "lm_head_params": self.lm_head_params,
-                "kv_bytes_per_token": self.kv_bytes_per_token, **asdict(self.shape)}
-
-
-def cost_model(name: str, dtype: str = "bfloat16", prefill_chunk: int = 2048) -> CostModel:
-    """A preset of config.PRESETS, or a local Hugging Face folder's config.json.
-    Raises ValueError."""
-    from session_runtime.config import PRESETS
-
-    if name in PRESETS:
-        return CostModel(name, PRESETS[name], dtype, prefill_chunk)
-    folder = Path(name)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--cost-model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a local folder "
-                         "with config.json")
-    from session_runtime.errors import InvalidRequest
-    from session_runtime.model.weights import config_from_hf
-
-    try:
-        shape = config_from_hf(folder)
-    except (InvalidRequest, KeyError, ValueError) as exc:
-        raise ValueError(f"--cost-model {name!r}: {exc}") from None
-    return CostModel(folder.name, shape, dtype, prefill_chunk)
-
 
 # ----- work ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Work:
-    """Token work of some steps or materializations, before pricing."""
-
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    prefill_attention: int = 0  # sum of context over prefilled tokens
-    decode_attention: int = 0  # sum of context over generated tokens
-    forwards: int = 0  # weight reads
-    logits_rows: int = 0
-    kv_read_tokens: int = 0
-
-    def __add__(self, other: "Work") -> "Work":
-        return Work(*(a + b for a, b in zip(astuple(self), astuple(other))))
-
-    def flops(self, cm: CostModel) -> int:
-        tokens = self.prefill_tokens + self.decode_tokens
-        return (2 * cm.non_embedding_params * tokens
-                + cm.attention_flops_per_context * (self.prefill_attention + self.decode_attention)
-                + 2 * cm.lm_head_params * self.logits_rows)
-
-    def bytes(self, cm: CostModel) -> int:
-        """Weights read (N per forward, the LM head once per logits row: the
-        prefill's last chunk and each decode forward) plus KV read and written."""
-        weights = self.forwards * cm.non_embedding_params + self.logits_rows * cm.lm_head_params
-        written = self.prefill_tokens + self.decode_tokens
-        return weights * cm.element_bytes + (self.kv_read_tokens + written) * cm.kv_bytes_per_token
-
-    def priced(self, cm: CostModel) -> dict:
-        return {**asdict(self), "flops": self.flops(cm), "bytes": self.bytes(cm)}
-
-
-def prefill_work(q: int, reused: int, chunk: int) -> Work:
-    """q tokens prefilled on `reused` ones, in chunks of `chunk` (no logits)."""
-    if q <= 0:
-        return Work()
-    chunks = math.ceil(q / chunk)
-    read = sum(reused + min(q, (c + 1) * chunk) for c in range(chunks))
-    return Work(prefill_tokens=q, prefill_attention=q * reused + q * (q + 1) // 2, forwards=chunks,
-                kv_read_tokens=read)
-
-
-def decode_work(n: int, context: int) -> Work:
-    """n generated tokens after a prompt of `context` tokens: n - 1 decode
-    forwards, n logits rows, the i-th token attending to context + i + 1."""
-    if n <= 0:
-        return Work()
-    attention = n * context + n * (n + 1) // 2
-    return Work(decode_tokens=n, decode_attention=attention, forwards=n - 1, logits_rows=n, kv_read_tokens=attention)
 
 
 def step_work(acc: "StepAccounting", chunk: int) -> Work:
@@ -185,69 +53,6 @@ def step_work(acc: "StepAccounting", chunk: int) -> Work:
 def materialize_work(turn: "TurnResult", chunk: int) -> Work:
     q = turn.materialized
     return prefill_work(q, turn.steps[-1].active_context_length - q, chunk)
-
-
-# ----- the clock ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Clock:
-    """Seconds per interval where the trace carries no timestamps."""
-
-    step_s: float = 2.0
-    tool_s: float = 5.0
-    think_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if min(self.step_s, self.tool_s, self.think_s) < 0:
-            raise ValueError("clock seconds must be >= 0")
-
-
-@dataclass(frozen=True)
-class TurnTimes:
-    steps: tuple[float, ...]  # each step's model time
-    tool_waits: tuple[float, ...]  # after each tool-call step (0 after the last step)
-    think: float  # after the turn closed, until the next user message (0 after the last turn)
-
-
-def _seconds(value: object) -> Optional[float]:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return None
-    return None
-
-
-def trace_times(trace: "Trace", clock: Clock) -> tuple[str, list[TurnTimes]]:
-    """("trace", times) from the trace's timestamps when every turn (its user
-    message) and every step (its assistant message) has one and they never go
-    back; else ("nominal", the clock's)."""
-    stamps = []
-    for turn in trace.turns:
-        user = _seconds(getattr(turn, "timestamp", None))
-        steps = [_seconds(getattr(s, "timestamp", None)) for s in turn.steps]
-        stamps.append((user, steps))
-    flat = [x for user, steps in stamps for x in (user, *steps)]
-    if flat and None not in flat and all(b >= a for a, b in zip(flat, flat[1:])):
-        times = []
-        for k, (user, steps) in enumerate(stamps):
-            model = [steps[0] - user]
-            waits = []
-            for a, b in zip(steps, steps[1:]):
-                model.append(min(clock.step_s, b - a))
-                waits.append(b - a - model[-1])
-            nxt = stamps[k + 1][0] if k + 1 < len(stamps) else None
-            times.append(TurnTimes(tuple(model), (*waits, 0.0), nxt - steps[-1] if nxt is not None else 0.0))
-        return "trace", times
-    last = len(trace.turns) - 1
-    return "nominal", [TurnTimes(tuple(clock.step_s for _ in t.steps),
-                                 (*(clock.tool_s for _ in t.steps[1:]), 0.0),
-                                 clock.think_s if k < last else 0.0) for k, t in enumerate(trace.turns)]
 
 
 # ----- per turn and per run -----------------------------------------------------------
@@ -360,20 +165,6 @@ def ratios(run: RunEconomics | dict, base: RunEconomics | dict) -> dict[str, Opt
 
 
 # ----- the verdict ----------------------------------------------------------------------
-
-# What the default price of a KV token-second assumes: one GPU-second of compute
-# is worth as much as holding the GPU's whole memory for that second. An H100
-# SXM: 989 TFLOP/s dense bf16 peak, run at 40% of it; 80 GB of HBM.
-GPU_FLOPS_PER_S = 0.4 * 989e12
-GPU_MEMORY_BYTES = 80e9
-KV_PRICE_ASSUMES = ("one H100-second of compute (40% of 989 TFLOP/s bf16) costs as much as holding its "
-                    "80 GB of HBM for a second")
-
-
-def default_kv_price(cm: CostModel) -> float:
-    """FLOPs one KV token-second is worth, by KV_PRICE_ASSUMES, for `cm`'s KV bytes per token."""
-    return GPU_FLOPS_PER_S * cm.kv_bytes_per_token / GPU_MEMORY_BYTES
-
 
 def full_cost(totals: dict, kv_price: float) -> float:
     """A run's cost in FLOPs: the request path's and idle time's (a branch built

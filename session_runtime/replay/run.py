@@ -11,7 +11,7 @@ from session_runtime.policies import MATERIALIZE_MODES, POLICIES
 
 if TYPE_CHECKING:
     from session_runtime.accounting import StepAccounting
-    from session_runtime.replay.economics import Clock
+    from session_runtime.replay.clock import Clock
     from session_runtime.runtime import Runtime
     from session_runtime.templates import Message
 
@@ -165,7 +165,7 @@ def replay(
     clock (economics.trace_times: its timestamps, else `clock`'s nominal
     seconds), as the economics price it.
     """
-    from session_runtime.replay.economics import Clock, trace_times
+    from session_runtime.replay.clock import Clock, trace_times
 
     _, times = trace_times(trace, clock or Clock())
     starts, at = [], 0.0

@@ -1,15 +1,14 @@
 """The parsed trace every reader produces, and TraceError.
 
 The readers live in `session_runtime.replay.formats` (JSONL, ATIF, OpenAI chat,
-Anthropic messages); `load_trace` / `parse_trace` here read the JSONL format,
-as they always did.
+Anthropic messages), above this module: `load_trace` / `parse_trace` (formats/jsonl.py,
+exported by `session_runtime.replay`) read the JSONL format.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 
 class TraceError(ValueError):
@@ -86,17 +85,3 @@ class Trace:
     @property
     def n_tool_calls(self) -> int:
         return sum(len(s.tool_calls) for t in self.turns for s in t.steps)
-
-
-def load_trace(path: str | Path) -> Trace:
-    """Read and validate a JSONL trace file. Raises TraceError (or OSError)."""
-    path = Path(path)
-    with path.open(encoding="utf-8") as fh:
-        return parse_trace(fh, source=str(path))
-
-
-def parse_trace(lines: Iterable[str] | str, source: str = "<trace>") -> Trace:
-    """Validate a JSONL trace given as text or lines. Raises TraceError naming the line."""
-    from session_runtime.replay.formats.jsonl import parse_lines
-
-    return parse_lines(lines, source)

@@ -30,17 +30,35 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import KeepFrom, Message, Rendered, ToolCall, message_groups
-from session_runtime.templates.official import prefix_digests, text_digest as _digest
+from session_runtime.templates.official import OfficialRenderer, RenderedText, prefix_digests, text_digest as _digest
 
 SENTINEL = "\ue001next\ue001"  # a user message's content no client text spells
 
-if TYPE_CHECKING:
-    from session_runtime.templates.hf import HFTemplate
+
+
+class WindowHost(Protocol):
+    """What a window needs of the template it renders for (templates/hf.py's
+    HFTemplate): its official renderer and the pieces of its incremental render."""
+
+    official: OfficialRenderer
+    _user_header: str
+    _heads: Callable[[str], tuple]
+
+    def _blobs(self, dicts: list[dict], offset: int, messages: Sequence[Message]) -> list[bytes]: ...
+
+    def _generated(self, output_ids: Sequence[int], rendered: RenderedText) -> tuple: ...
+
+    def _appended(self, before: list[dict], after: list[dict], tools: list[dict], kind: str,
+                  before_key: bytes, after_key: bytes) -> list[int]: ...
+
+    def _head_spans(self, key: str) -> tuple: ...
+
+    def forced_ids(self, reasoning: str, content: str, tool_calls: Sequence[ToolCall] = ()) -> list[int]: ...
 
 log = logging.getLogger(__name__)
 _KIND = {"user": "user", "assistant": "answer", "tool": "tool_result", "system": "system"}
@@ -50,7 +68,7 @@ Spans = tuple[tuple[str, tuple[int, ...]], ...]
 class WindowedRender:
     """The windowed renderings of one HFTemplate, and its closed heads per turn."""
 
-    def __init__(self, tpl: "HFTemplate"):
+    def __init__(self, tpl: WindowHost):
         self.tpl = tpl
         # digest of (tools, the messages before a user message) -> the closed head's spans
         size = lambda key, spans: 100 + sum(8 * len(ids) + 60 for _, ids in spans)  # noqa: E731
@@ -209,7 +227,7 @@ _TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look
     "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
 
 
-def _probe_messages(tpl: "HFTemplate", calls: bool, replayed: bool) -> list[Message]:
+def _probe_messages(tpl: WindowHost, calls: bool, replayed: bool) -> list[Message]:
     def assistant(turn: int, reasoning: str, content: str, tool_calls=()) -> Message:
         ids = tuple(tpl.forced_ids(reasoning, content, tool_calls)) if replayed else ()
         return Message("assistant", turn, content=content, reasoning=reasoning, tool_calls=tuple(tool_calls),
@@ -226,7 +244,7 @@ def _probe_messages(tpl: "HFTemplate", calls: bool, replayed: bool) -> list[Mess
     return out
 
 
-def windows_hold(tpl: "HFTemplate") -> bool:
+def windows_hold(tpl: WindowHost) -> bool:
     """Does the template render the probe conversations the same window by window as whole?"""
     whole = tpl.windowed
     shapes = 0

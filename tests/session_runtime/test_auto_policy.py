@@ -10,7 +10,7 @@ import pytest
 
 from session_runtime import Runtime, RuntimeConfig
 from session_runtime.auto_policy import Outlook, Outlooks, TurnShape, choose
-from session_runtime.replay.economics import cost_model, default_kv_price, prefill_work
+from session_runtime.cost_model import cost_model, default_kv_price, prefill_work
 
 CM = cost_model("qwen3-8b")
 PRICE = default_kv_price(CM)

@@ -18,8 +18,9 @@ from session_runtime.accounting import StepAccounting
 from session_runtime.config import ModelConfig
 from session_runtime.replay import RunSpec, parse_trace
 from session_runtime.replay.composition import Composition, reasoning_share
-from session_runtime.replay.economics import (Clock, CostModel, Work, decode_work, prefill_work, ratios,
-                                              run_economics, step_work, trace_times)
+from session_runtime.cost_model import CostModel, Work, decode_work, prefill_work
+from session_runtime.replay.clock import Clock, trace_times
+from session_runtime.replay.economics import ratios, run_economics, step_work
 from session_runtime.replay.run import ReplayResult, TurnResult
 
 # 2 layers, hidden 4, 2 query heads and 1 KV head of dim 2, MLP 8, vocab 10.
@@ -230,7 +231,7 @@ def test_the_trade_is_visible(trace, runs):
     assert sum(first_prefills(mat)) == sum(first_prefills(keep)) < sum(first_prefills(lazy))
     assert mat.turns[-1].materialized > 0 and mat.totals()["materialized_end"] == mat.turns[-1].materialized
     clock = Clock(1.0, 3.0, 30.0)
-    from session_runtime.replay.economics import cost_model
+    from session_runtime.cost_model import cost_model
 
     cm = cost_model("qwen3-8b")
     k, z, m = (run_economics(r, trace, cm, clock) for r in (keep, lazy, mat))
@@ -253,7 +254,7 @@ def test_the_trade_is_visible(trace, runs):
 
 def test_compositions_are_the_runs_prompts(rt, trace, runs):
     from session_runtime.replay.analysis import analyze
-    from session_runtime.replay.economics import cost_model
+    from session_runtime.cost_model import cost_model
 
     keep, drop = runs["keep", "never"], runs["drop", "never"]
     a = analyze(trace, [keep, drop], rt.template(keep.template), cost_model("tiny"))
@@ -292,7 +293,7 @@ def test_sampled_turns_counterfactual_counts_the_unfed_last_token(rt):
 
 def test_many_traces_sum_per_policy(rt, trace, runs, tmp_path):
     from session_runtime.replay.analysis import aggregate_dict, analyze, describe_aggregate
-    from session_runtime.replay.economics import cost_model
+    from session_runtime.cost_model import cost_model
 
     pair = [runs["keep", "never"], runs["drop", "never"]]
     one = analyze(trace, pair, rt.template(pair[0].template), cost_model("tiny"))

@@ -54,7 +54,7 @@ def test_atif_sample():
 
 def test_atif_timestamps_are_the_economics_clock():
     """ATIF steps carry their time: KV token-seconds use it, not the nominal clock."""
-    from session_runtime.replay.economics import Clock, trace_times
+    from session_runtime.replay.clock import Clock, trace_times
 
     trace = load(TRACES / "atif_trajectory.json")
     assert trace.turns[0].timestamp == "2025-11-03T09:00:04Z"

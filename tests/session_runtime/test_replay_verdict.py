@@ -13,7 +13,8 @@ import pytest
 
 from session_runtime.cli import main
 from session_runtime.config import PRESETS
-from session_runtime.replay.economics import CostModel, break_even, default_kv_price, full_cost, verdict
+from session_runtime.cost_model import CostModel, default_kv_price
+from session_runtime.replay.economics import break_even, full_cost, verdict
 
 TRACE = Path(__file__).resolve().parents[2] / "examples" / "sample_trace.jsonl"
 

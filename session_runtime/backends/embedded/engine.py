@@ -26,6 +26,7 @@ from session_runtime.config import RuntimeConfig
 from session_runtime.constrained.matcher import Guard, Guards
 from session_runtime.backends.embedded.fairlock import FairRLock
 from session_runtime.backends.embedded.engine_host import HostTierOps
+from session_runtime.backends.embedded.offload import OffloadManager
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
 from session_runtime.metrics import Sample, counter, gauge
 from session_runtime.model.decoder import Decoder
@@ -75,8 +76,6 @@ class Engine(HostTierOps, Backend):
     is_embedded_engine = True  # Runtime.engine: the engine's internals, for its own tests and benchmarks
 
     def make_offload(self, background: bool = True, idle_ttl_s: float = 0.0):
-        from session_runtime.offload import OffloadManager
-
         return OffloadManager(self, background=background, idle_ttl_s=idle_ttl_s)
 
     def __init__(self, config: RuntimeConfig, decoder: Decoder, guards: Optional[Guards] = None):

@@ -6,6 +6,7 @@ errors name the line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Iterable
 
 from session_runtime.replay.builder import TraceBuilder, Where
@@ -108,3 +109,15 @@ def _no_extra(line: int, obj: dict, allowed: set[str], what: str) -> None:
     if extra:
         raise TraceError(line, f"unknown field(s) {', '.join(map(repr, extra))} in {what}; "
                                f"known: {', '.join(sorted(allowed))}")
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read and validate a JSONL trace file. Raises TraceError (or OSError)."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as fh:
+        return parse_trace(fh, source=str(path))
+
+
+def parse_trace(lines: Iterable[str] | str, source: str = "<trace>") -> Trace:
+    """Validate a JSONL trace given as text or lines. Raises TraceError naming the line."""
+    return parse_lines(lines, source)
