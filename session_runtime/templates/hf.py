@@ -24,21 +24,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections import OrderedDict
 from pathlib import Path
 from typing import Optional, Sequence
 
 from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import KeepReasoning, Message, ParsedOutput, Rendered, ToolCall, message_groups
+from session_runtime.templates.hf_messages import TemplateMessages
 from session_runtime.templates.hf_parse import parser_for
 from session_runtime.templates.hf_windows import SENTINEL as _SENTINEL, WindowedRender, WindowMismatch, windows_hold
-from session_runtime.templates.official import (OfficialRenderer, RenderedText, blob, prefix_digests,
+from session_runtime.templates.official import (OfficialRenderer, RenderedText, prefix_digests,
                                                read_chat_template, special_token_kwargs, text_digest as _digest)
 from session_runtime.tokenizer import Tokenizer
 
 _KIND = {"user": "user", "assistant": "answer", "tool": "tool_result", "system": "system"}
-_MESSAGE_DICTS = 64 << 20  # bytes of the messages whose template dicts are kept (the messages kept alive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +55,6 @@ class _HeadChecks:
     cut: int
     text_digest: bytes  # of the head's text up to `cut`
     groups: tuple[Optional[_PrefixCheck], ...]  # None: the template could not render the prefix alone
-
-
-def _openai_tool(tool: dict) -> dict:
-    return tool if isinstance(tool, dict) and "function" in tool else {"type": "function", "function": tool}
 
 
 class HFTemplate:
@@ -83,9 +78,7 @@ class HFTemplate:
         self._checks = BytesLRU(16 << 20, lambda key, v: 100 + 80 * len(v.groups))  # _marks
         heads = BytesLRU(64 << 20, lambda key, spans: 2 * len(key) + sum(8 * len(ids) + 100 for _, ids in spans))
         self._heads = lambda key: heads.get_or_compute(key, lambda: self._head_spans(key))
-        # id(message) -> (message, dict, blob), within _MESSAGE_DICTS bytes of blobs
-        self._message_dicts = BytesLRU(_MESSAGE_DICTS, lambda key, hit: 2 * len(hit[2]) + 8 * len(hit[0].output_ids) + 300)
-        self._tool_lists: OrderedDict = OrderedDict()  # id(tools) -> (tools, in OpenAI's shape)
+        self.messages = TemplateMessages(self._thinking_field)  # the messages as the template takes them
         self.windowed: Optional[WindowedRender] = WindowedRender(self)  # None: rendered whole
         if not windows_hold(self):
             self.windowed = None
@@ -131,48 +124,6 @@ class HFTemplate:
         prompt = self.official.text([{"role": "user", "content": "\ue003"}], [], True)
         return prompt.rstrip().endswith("<think>")
 
-    # ----- messages as the template takes them -------------------------------------
-
-    def _dicts(self, system: Optional[str], messages: Sequence[Message]) -> list[dict]:
-        out = [{"role": "system", "content": system}] if system is not None else []
-        return out + [self._dict(m)[0] for m in messages]
-
-    def _dict(self, m: Message) -> tuple[dict, bytes]:
-        """A message as the template takes it, and its bytes in a digest (kept
-        per message object: a step renders the same history several times)."""
-        hit = self._message_dicts.get(id(m))
-        if hit is not None and hit[0] is m:
-            return hit[1], hit[2]
-        if m.role == "assistant":
-            d = {"role": "assistant", "content": m.content}
-            if m.reasoning:
-                d[self._thinking_field] = m.reasoning
-            if m.tool_calls:
-                d["tool_calls"] = [{"id": c.id, "type": "function",
-                                    "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
-        elif m.role == "tool":
-            d = {"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content}
-        else:
-            d = {"role": "user", "content": m.content}
-        b = blob(d)
-        self._message_dicts.put(id(m), (m, d, b))  # the message kept alive: its id is not reused meanwhile
-        return d, b
-
-    def _openai_tools(self, tools: Sequence[dict]) -> list[dict]:
-        """The tools in OpenAI's shape, one list per tools object (so that its
-        digest is kept: official._tools_bytes)."""
-        hit = self._tool_lists.get(id(tools))
-        if hit is not None and hit[0] is tools:
-            return hit[1]
-        out = [_openai_tool(t) for t in tools]
-        self._tool_lists[id(tools)] = (tools, out)
-        while len(self._tool_lists) > 256:
-            self._tool_lists.popitem(last=False)
-        return out
-
-    def _blobs(self, dicts: list[dict], offset: int, messages: Sequence[Message]) -> list[bytes]:
-        return [blob(d) for d in dicts[:offset]] + [self._dict(m)[1] for m in messages]
-
     # ----- rendering ----------------------------------------------------------------
 
     def rendered_length(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
@@ -181,8 +132,8 @@ class HFTemplate:
 
     def render(self, system: Optional[str], tools: Sequence[dict], messages: Sequence[Message],
                keep: KeepReasoning, generation_prompt: bool = True) -> Rendered:
-        tools = self._openai_tools(tools)
-        dicts = self._dicts(system, messages)
+        tools = self.messages.tools(tools)
+        dicts = self.messages.dicts(system, messages)
         offset = len(dicts) - len(messages)  # the system message
         groups = list(message_groups(messages))
         ends, pos = [], 0
@@ -370,7 +321,7 @@ class HFTemplate:
         """An assistant output given as text: what the template writes for it as
         the last message of an open turn (after the generation prompt)."""
         user = {"role": "user", "content": "\ue003"}
-        msg = self._dicts(None, [Message("assistant", 0, content=content, reasoning=reasoning,
+        msg = self.messages.dicts(None, [Message("assistant", 0, content=content, reasoning=reasoning,
                                          tool_calls=tuple(tool_calls))])
         prompt = self.official.render([user], [], True)
         full = self.official.render([user, *msg], [], False)

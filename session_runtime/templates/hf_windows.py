@@ -35,6 +35,7 @@ from typing import Callable, Optional, Protocol, Sequence
 from session_runtime.bounded_cache import BytesLRU
 from session_runtime.errors import InvalidRequest
 from session_runtime.templates.base import KeepFrom, Message, Rendered, ToolCall, message_groups
+from session_runtime.templates.hf_messages import TemplateMessages
 from session_runtime.templates.official import OfficialRenderer, RenderedText, prefix_digests, text_digest as _digest
 
 SENTINEL = "\ue001next\ue001"  # a user message's content no client text spells
@@ -46,10 +47,9 @@ class WindowHost(Protocol):
     HFTemplate): its official renderer and the pieces of its incremental render."""
 
     official: OfficialRenderer
+    messages: TemplateMessages
     _user_header: str
     _heads: Callable[[str], tuple]
-
-    def _blobs(self, dicts: list[dict], offset: int, messages: Sequence[Message]) -> list[bytes]: ...
 
     def _generated(self, output_ids: Sequence[int], rendered: RenderedText) -> tuple: ...
 
@@ -84,7 +84,7 @@ class WindowedRender:
         opens with a user message."""
         tpl = self.tpl
         users = [offset + i for i, m in enumerate(messages) if m.role == "user"]
-        blobs = tpl._blobs(dicts, offset, messages)
+        blobs = tpl.messages.blobs(dicts, offset, messages)
         if first_kept is None:
             out_spans, start = self._closed_spans(dicts, tools, offset, blobs, users, len(dicts)), len(groups)
         else:
