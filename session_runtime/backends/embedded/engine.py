@@ -9,7 +9,6 @@ chain as they were.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -25,46 +24,14 @@ from session_runtime.backends.base import Backend, Cancellation, StepRequest, St
 from session_runtime.config import RuntimeConfig
 from session_runtime.constrained.matcher import Guard, Guards
 from session_runtime.backends.embedded.fairlock import FairRLock
+from session_runtime.backends.embedded.decode import decode
 from session_runtime.backends.embedded.engine_host import HostTierOps
 from session_runtime.backends.embedded.offload import OffloadManager
+from session_runtime.backends.embedded.reads import LastReads, samples
+from session_runtime.backends.embedded.slots import SlotBuffer
 from session_runtime.errors import ContextTooLong, InvalidRequest, PoolExhausted
-from session_runtime.metrics import Sample, counter, gauge
+from session_runtime.metrics import Sample
 from session_runtime.model.decoder import Decoder
-from session_runtime.sampling import Sampler, token_logprob, top_logprobs
-
-# Tokens a step's grammar may refuse after its mask admitted them (Guard.accept)
-# before the step fails: a few in a step are xgrammar's, more a bug of ours.
-_MAX_REFUSED = 32
-
-
-class _SlotBuffer:
-    """Slots a running step uses: the reused prefix (the tree's pages, then the
-    head of the chain's private page if the step took it) plus pages it allocates."""
-
-    def __init__(self, engine: "Engine", node, prefix: torch.Tensor, tail=None):
-        self.engine = engine
-        self.node = node  # the matched prefix's last node, locked for the step
-        self.page_start = len(prefix)  # first position of the step's own pages
-        self.tail = tail  # the private page taken from the chain, or None
-        self.prefix_len = len(prefix) + (len(tail.tokens) if tail is not None else 0)  # reused
-        self.slots = prefix if tail is None else torch.cat((prefix, tail.page))
-        self.committed = False  # the tree owns the slots now: a late error must not free them
-
-    def ensure(self, total: int) -> None:
-        """Make slots cover positions [0, total), allocating whole pages."""
-        missing = total - len(self.slots)
-        if missing <= 0:
-            return
-        new = self.engine.alloc(missing)
-        self.slots = torch.cat((self.slots, new))
-
-    def release(self, owner: str) -> None:
-        """The step failed: free the pages it allocated, give the private page back."""
-        first = self.page_start + (self.engine.page_size if self.tail is not None else 0)
-        self.engine.pools.allocator.free(self.slots[first:])
-        if self.tail is not None:
-            self.engine.tree.return_tail(owner, self.node, self.tail)
-
 
 class Engine(HostTierOps, Backend):
     """Owns the decoder, the pools and the tree. Thread-safe: everything holds
@@ -103,7 +70,7 @@ class Engine(HostTierOps, Backend):
         self.on_pressure: Optional[Callable[[int], None]] = None
         self.stepping: set[str] = set()  # owners of the steps in flight: pressure must not move their chains
         self.rows = threading.BoundedSemaphore(config.max_running)  # steps in flight: one request row each
-        self._last_read: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        self.reads = LastReads(self.lock)  # operator reads that never wait on a step for long
         self._reloaded: dict[str, tuple[int, int]] = {}  # owner -> (anchor, tokens) reloaded for its next step
         self.device = torch.device(config.device)
 
@@ -209,7 +176,7 @@ class Engine(HostTierOps, Backend):
         node, prefix_slots = self.tree.match_and_lock(key[: n - 1])
         # The conversation's own partial last page continues the match exactly.
         tail = self.tree.take_tail(req.owner, node, key, n - 1)
-        buf = _SlotBuffer(self, node, prefix_slots, tail)
+        buf = SlotBuffer(self, node, prefix_slots, tail)
         m = buf.prefix_len
         row = None
         try:
@@ -231,7 +198,7 @@ class Engine(HostTierOps, Backend):
             raise PoolExhausted("no free request row: too many steps in flight")
         return rows[0]
 
-    def _forward(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool,
+    def _forward(self, ids: list[int], start: int, buf: SlotBuffer, row: int, all_logits: bool,
                  cancel: Optional[Cancellation] = None) -> torch.Tensor:
         """Run `ids` at positions start.. in chunks of `prefill_chunk` tokens, so
         attention over a long prompt never materialises a full q x n score matrix;
@@ -259,7 +226,7 @@ class Engine(HostTierOps, Backend):
             self._sync()
             self.lock.yield_to_waiters()
 
-    def _forward_chunk(self, ids: list[int], start: int, buf: _SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
+    def _forward_chunk(self, ids: list[int], start: int, buf: SlotBuffer, row: int, all_logits: bool) -> torch.Tensor:
         end = start + len(ids)
         buf.ensure(end)
         r2t = self.pools.req_to_token
@@ -279,7 +246,6 @@ class Engine(HostTierOps, Backend):
         sp = req.sampling
         r2t = self.pools.req_to_token
         r2t.write((row, slice(0, m)), buf.slots[:m].to(torch.int32))
-        want_all = req.return_logits or (sp.logprobs and req.forced is not None)
         model_s = 0.0
         kept_logits: list[torch.Tensor] = []
 
@@ -295,79 +261,14 @@ class Engine(HostTierOps, Backend):
         if req.return_logits:
             kept_logits.append(logits)
 
-        output: list[int] = []
-        stop_sequence = None
-        logprobs: list[float] = []
-        tops: list[list[tuple[int, float]]] = []  # sp.top_logprobs alternatives per output token
-        if req.forced is not None:
-            forced = list(req.forced)
-            output = forced
-            t = time.perf_counter()
-            first_token_t = t
-            if forced:
-                more = self._forward(forced, n, buf, row, all_logits=want_all, cancel=req.cancel)
-                if want_all:
-                    rows = torch.cat((logits[-1:], more[:-1]))
-                    if sp.logprobs:
-                        logprobs = [token_logprob(rows[i], tok) for i, tok in enumerate(forced)]
-                    if sp.top_logprobs:
-                        tops = [top_logprobs(rows[i], sp.top_logprobs) for i in range(len(forced))]
-                    if req.return_logits:
-                        kept_logits.append(more)
-            self._sync()
-            model_s += time.perf_counter() - t
-            decode_end_t = time.perf_counter()
-            finish, computed = "forced", prompt + forced
-            for tok in forced if req.on_token else ():
-                req.on_token(tok)
-        else:
-            sampler = Sampler(sp)
-            limit = min(sp.max_tokens, self.config.max_context - n)
-            last = logits[-1]
-            first_token_t = None
-            t = time.perf_counter()
-            finish = "length"
-            while len(output) < limit:
-                if guard is not None:
-                    last = guard.mask(last)
-                tok = sampler.sample(last)
-                while guard is not None and not guard.accept(tok):  # admitted, then refused: drawn again without it
-                    if guard.refused > _MAX_REFUSED:
-                        raise RuntimeError(f"the grammar refused {guard.refused} tokens its mask admitted")
-                    last = last.clone()
-                    last[tok] = float("-inf")
-                    tok = sampler.sample(last)
-                if sp.logprobs:
-                    logprobs.append(token_logprob(last, tok))
-                if sp.top_logprobs:
-                    tops.append(top_logprobs(last, sp.top_logprobs))
-                output.append(tok)
-                if req.on_token is not None:
-                    req.on_token(tok)
-                if first_token_t is None:
-                    first_token_t = time.perf_counter()
-                if tok in sp.stop_token_ids:
-                    finish = "stop"
-                    break
-                stop_sequence = guard.stop_matched(output) if guard is not None else None
-                if stop_sequence is not None:
-                    finish = "stop"
-                    break
-                if len(output) == limit:
-                    break
-                self._pass_turn(req.cancel)
-                out = self._forward([tok], n + len(output) - 1, buf, row, all_logits=False)
-                last = out[-1]
-                if req.return_logits:
-                    kept_logits.append(out)
-            self._sync()
-            decode_end_t = time.perf_counter()
-            model_s += decode_end_t - t
-            first_token_t = first_token_t or decode_end_t
-            # The last sampled token was never fed, so it has no KV yet.
-            computed = prompt + output[:-1] if output else prompt
+        out = decode(req, prompt, logits, lambda ids, at, every, cancel=None: self._forward(ids, at, buf, row, every, cancel),
+                     self._pass_turn, self._sync, min(sp.max_tokens, self.config.max_context - n), guard)
+        model_s += out.model_s
+        if req.return_logits:
+            kept_logits += out.logits
+        output, computed, first_token_t, decode_end_t = out.output, out.computed, out.first_token_t, out.decode_end_t
 
-        chain_len = self._commit(req, computed, buf)
+        chain_len = buf.commit(req, computed)
         anchor, count = reloaded
         host_loaded = min(count, max(0, m - anchor))  # reloaded tokens this prefill reused
         ps = self.config.page_size
@@ -394,45 +295,15 @@ class Engine(HostTierOps, Backend):
         total_s = time.perf_counter() - t0
         return StepResult(
             output=output,
-            finish_reason=finish,
-            stop_sequence=stop_sequence,
+            finish_reason=out.finish,
+            stop_sequence=out.stop_sequence,
             sequence=computed,
-            logprobs=logprobs if sp.logprobs else None,
+            logprobs=out.logprobs if sp.logprobs else None,
             accounting=accounting,
             timing=StepTiming(total_s * 1e3, model_s * 1e3, (total_s - model_s) * 1e3),
             logits=torch.cat(kept_logits) if kept_logits else None,
-            top_logprobs=tops if sp.top_logprobs else None,
+            top_logprobs=out.tops if sp.top_logprobs else None,
         )
-
-    def _commit(self, req: StepRequest, computed: list[int], buf: _SlotBuffer) -> int:
-        """Insert the computed sequence (or only the prompt), free duplicates, keep
-        the partial last page as the chain's private page (or free it) and move
-        the owner's chain lock. Returns the tokens the chain (or, for a step that
-        holds none, the tree) now has for this sequence."""
-        ps = self.config.page_size
-        cached_upto = len(computed) if req.cache_output else len(req.prompt)
-        aligned = cached_upto // ps * ps
-        key = req.namespace.key(computed[:aligned])
-        slots = buf.slots
-        node, prefix_len = self.tree.insert_sequence(key, slots[:aligned])
-        allocator = self.pools.allocator
-        start = buf.page_start  # page aligned, <= aligned
-        # Pages [start, prefix_len) duplicate KV the tree already had.
-        if prefix_len > start:
-            allocator.free(slots[start:prefix_len])
-        tail = None
-        if req.hold_chain and cached_upto > aligned:
-            tail = self.tree.make_tail(computed[aligned:cached_upto], slots[aligned : aligned + ps])
-        allocator.free(slots[aligned + (ps if tail is not None else 0) :])
-        if req.hold_chain:
-            self.tree.set_chain(req.owner, node, tail)
-        else:
-            self.tree.release_chain(req.owner)
-        self.host.forget_evicted(req.owner)  # recomputed, if it had lost its tail
-        # Drop the step's own lock on its matched prefix (taken in match_and_lock).
-        self.tree.dec_lock_ref(buf.node)
-        buf.committed = True
-        return aligned + (len(tail.tokens) if tail is not None else 0)
 
     def lock_prefix(self, owner: str, namespace: Namespace, tokens: Sequence[int], free_branch: bool = False) -> int:
         """Move `owner`'s chain to `tokens` (the fork point after a turn drops its
@@ -463,25 +334,6 @@ class Engine(HostTierOps, Backend):
             self.host.take(owner)
             self.host.forget_evicted(owner)
 
-    # Operator reads (/metrics, /debug/tree, a conversation's GET) never wait on
-    # the engine for long: they take the lock when it comes within READ_WAIT_S
-    # (a step hands it over after every token), else answer with the last value
-    # read under it, a consistent snapshot from moments ago.
-    READ_WAIT_S = 0.05
-
-    def _read(self, key: tuple, compute: Callable[[], object], default: object = None):
-        if self.lock.acquire(timeout=self.READ_WAIT_S):
-            try:
-                value = compute()
-            finally:
-                self.lock.release()
-            self._last_read[key] = value
-            self._last_read.move_to_end(key)
-            while len(self._last_read) > 256:
-                self._last_read.popitem(last=False)
-            return value
-        return self._last_read.get(key, default)
-
     def chain_tokens(self, owner: str) -> int:
         with self.lock:
             return self.tree.chain_tokens(owner)
@@ -491,16 +343,16 @@ class Engine(HostTierOps, Backend):
             return {owner: self.tree.chain_tokens(owner) for owner in list(self.tree.chains)}
 
     def peek_chain_tokens(self, owner: str) -> Optional[int]:
-        return self._read(("chain", owner), lambda: self.tree.chain_tokens(owner))
+        return self.reads.get(("chain", owner), lambda: self.tree.chain_tokens(owner))
 
     def peek_chain_lengths(self) -> dict[str, int]:
-        return self._read(("chains",), lambda: {o: self.tree.chain_tokens(o) for o in list(self.tree.chains)}, {})
+        return self.reads.get(("chains",), lambda: {o: self.tree.chain_tokens(o) for o in list(self.tree.chains)}, {})
 
     def host_bytes(self, owner: str) -> int:
         return self.host.bytes_of(owner)
 
     def snapshot(self, preview, owner: Optional[str] = None) -> list[NodeInfo]:
-        return self._read(("snapshot", owner), lambda: self.tree.snapshot(
+        return self.reads.get(("snapshot", owner), lambda: self.tree.snapshot(
             preview=preview, owner=owner, both=self.both_nodes()) + self.host_nodes(preview, owner=owner), [])
 
     def free_fraction(self) -> float:
@@ -508,30 +360,7 @@ class Engine(HostTierOps, Backend):
             return (self.pools.allocator.available_size() + self.tree.evictable_size()) / self.pools.capacity
 
     def metric_samples(self) -> list[Sample]:
-        return self._read(("metric_samples",), self._metric_samples, [])
-
-    def _metric_samples(self) -> list[Sample]:
-        moved = self.host.stats
-        return [
-            gauge("pool_capacity_tokens", self.pools.capacity, "KV slots of the device pool"),
-            gauge("pool_free_tokens", self.pools.allocator.available_size(), "Free KV slots of the device pool"),
-            gauge("tree_locked_tokens", self.tree.protected_size(), "Tree tokens locked by conversations"),
-            gauge("tree_evictable_tokens", self.tree.evictable_size(), "Tree tokens no chain locks: evictable"),
-            gauge("tree_private_tokens", self.tree.private_tokens(),
-                  "KV slots held by chains' private partial pages (whole pages)"),
-            gauge("host_capacity_tokens", self.host.capacity_tokens, "Tokens the host tier can hold"),
-            gauge("host_used_tokens", self.host.used_tokens, "Tokens the host tier holds"),
-            counter("offload_demoted_tokens_total", moved.demoted_tokens, "Tokens copied from the device to the host"),
-            counter("offload_demoted_bytes_total", moved.demoted_bytes, "KV bytes copied from the device to the host"),
-            counter("offload_demote_seconds_total", moved.demote_ms / 1e3, "Time spent copying KV to the host"),
-            counter("offload_promoted_tokens_total", moved.promoted_tokens, "Tokens copied from the host to the device"),
-            counter("offload_promoted_bytes_total", moved.promoted_bytes, "KV bytes copied from the host to the device"),
-            counter("offload_promote_seconds_total", moved.promote_ms / 1e3, "Time spent copying KV to the device"),
-            counter("offload_lost_tokens_total", moved.lost_tokens,
-                    "Host tokens dropped for room (recomputed when their conversation resumes)"),
-            counter("offload_shared_tokens_total", moved.shared_tokens,
-                    "Host tokens reloaded for another conversation whose prompt shares them"),
-        ]
+        return self.reads.get(("metric_samples",), lambda: samples(self.pools, self.tree, self.host), [])
 
     def describe(self) -> str:
         return (f"embedded engine (page size {self.page_size}, pool {self.capacity} tokens, host tier "
