@@ -40,7 +40,7 @@ sys.path.insert(0, str(_HERE.parent))
 from procstat import cpu_s, stat_fields  # noqa: E402
 from report import write_report  # noqa: E402
 
-from session_runtime.backends.sglang.backend import sse_chunks  # noqa: E402
+from session_runtime.backends.sglang.generate import sse_chunks  # noqa: E402
 
 VARIANTS = {"full": (), "no_hints": ("kv_hints",),
             "bare": ("kv_hints", "session_id", "priority", "extra_key", "cache_salt")}

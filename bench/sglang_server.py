@@ -79,7 +79,7 @@ from report import RESULTS, write_report  # noqa: E402
 
 from session_runtime.backends.base import StepRequest  # noqa: E402
 from session_runtime.backends.sglang.launcher import LaunchSpec, LaunchedServer, launch  # noqa: E402
-from session_runtime.backends.sglang.backend import sse_chunks  # noqa: E402
+from session_runtime.backends.sglang.generate import sse_chunks  # noqa: E402
 from session_runtime.direct_http import DirectPool  # noqa: E402
 from session_runtime.config import RuntimeConfig  # noqa: E402
 from session_runtime.runtime import Runtime  # noqa: E402

@@ -5,11 +5,13 @@ router over two real workers is tested in test_sglang_workers.py."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 from radix_ext.tree import Namespace, NodeInfo
 from session_runtime.backends.base import StepRequest
 from session_runtime.backends.sglang.backend import SGLangBackend
+from session_runtime.backends.sglang.keeper import ServerKeeper
 from session_runtime.backends.sglang.router import RoutedBackend, RouterSpec, routed_namespace, unfold
 from session_runtime.backends.sglang.workers import WorkerPool
 
@@ -20,7 +22,7 @@ LIKE = SimpleNamespace(page_size=16, capacity=2048, bytes_per_token=8, vocab_siz
 def _worker(url: str) -> SGLangBackend:
     w = SGLangBackend.__new__(SGLangBackend)
     w.page_size, w.bytes_per_token, w.capacity, w.vocab_size, w.max_context = 16, 8, 2048, 1000, 4096
-    w.url, w.server = url, None
+    w.url, w.keeper = url, ServerKeeper(None, url, lambda: 0, threading.Event())  # given by URL: none to keep
     w.close, w.metric_samples = (lambda: None), (lambda: [])
     return w
 
