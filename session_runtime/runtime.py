@@ -41,6 +41,7 @@ from session_runtime.inspection import RuntimeInspection
 from session_runtime.persistence import Persistence
 from session_runtime.request_checks import RequestChecks, _utf8
 from session_runtime.step_path import StepPath
+from session_runtime.turn_close import TurnClose
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         self.auto = AutoPolicy(c.cost_model or c.model, c.cost_dtype, c.prefill_chunk, c.kv_price)
         if c.policy == "auto":
             self.auto.cost  # fail at start, not on the first turn's close
+        self.turn_close = TurnClose(self.backend, self.materializer, self.auto, c.idle_ttl_s)  # turn_close.py
         self.template(self.config.template)  # fail at start, not on the first request
         self._open_store()
 

@@ -116,7 +116,7 @@ def test_a_commit_that_fails_half_way_changes_nothing(tmp_path, monkeypatch):
         def broken(*args, **kwargs):
             raise RuntimeError("a bug in the turn's close")
 
-        monkeypatch.setattr(rt, "_close_turn", broken)
+        monkeypatch.setattr(rt.turn_close, "close", broken)
         with pytest.raises(RuntimeError):
             rt.send_message(cid, "Two.", forced=FORCED_ANSWER)
         after = rt.describe(cid)
