@@ -4,20 +4,21 @@ start, a conversation read at its first use and parked when it leaves memory,
 each step's write and the per-tenant byte totals it keeps, and what a fleet
 member does when it serves a conversation another process created or owned.
 
-A mixin of `Runtime` (runtime.py), which owns the state these methods use:
-`config`, `backend`, `conversations`, `materializer`, `_lock`, `_conv_locks`,
-`_sizes`, `_tenant_bytes`, `_place`.
+The runtime's part for it (runtime.py builds it), handed what it uses: the
+config, the backend, the conversations and their locks (conversation_table.py),
+the session index, the materializer (whose jobs keep a conversation in memory)
+and how a conversation is placed on a worker.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from session_runtime.conversation import Conversation
+from session_runtime.conversation_table import ConversationTable
 from session_runtime.errors import OwnedElsewhere
 from session_runtime.store import Store, Stored, Unstored
 
@@ -25,11 +26,17 @@ log = logging.getLogger("session_runtime.runtime")
 
 
 class Persistence:
-    def _open_store(self) -> None:
-        """Only the index is read: a conversation is read at its first use (_load)."""
+    """Opens the store: only the index is read; a conversation is read at its
+    first use (`load`, the table's loader)."""
+
+    def __init__(self, config, backend, table: ConversationTable, sessions, materializer,
+                 place: Callable[[Conversation, Optional[str]], None]):
+        self.config, self.backend, self.table = config, backend, table
+        self.sessions, self.materializer, self.place = sessions, materializer, place
+        self.conversations = table.registry
         self.store: Optional[Store] = None
         self.fleet = None  # several processes over one PostgreSQL store (fleet.py)
-        self._unstored = Unstored()  # without a store: the bytes each conversation would take in one
+        self.unstored = Unstored()  # without a store: the bytes each conversation would take in one
         if self.config.store:
             from session_runtime.store_pg import PgStore
 
@@ -55,18 +62,14 @@ class Persistence:
 
     def _know(self, stored: Stored) -> None:
         """A stored conversation, not read yet."""
-        with self._lock:
-            if stored.id not in self.conversations:
-                self.conversations.know(stored.id, stored.tenant)
-                self._conv_locks[stored.id] = threading.Lock()
-                self._sized_id(stored.id, stored.tenant, stored.bytes)
+        self.table.know(stored.id, stored.tenant, stored.bytes)
 
     def take(self, cid: str, claimed: bool) -> None:
         """In a fleet, a request for `cid` is served here: a conversation another
         process created since start-up becomes known; one this process just took
         over is read from the store again, its KV here is released (the next
         step prefills what the other process had computed: `backend_lost`)."""
-        with self._lock:
+        with self.table.lock:
             if claimed:
                 self.conversations.drop_resident(cid)
                 self.store.forget(cid)
@@ -94,23 +97,23 @@ class Persistence:
 
     def _forget_resident(self) -> None:
         """This process's beat lapsed: another may have served its conversations since."""
-        with self._lock:
+        with self.table.lock:
             self.conversations.drop_resident()
             self.store.forget()
 
-    def _load(self, cid: str) -> Optional[Conversation]:
+    def load(self, cid: str) -> Optional[Conversation]:
         """A stored conversation's first use since start-up, or since it left
-        memory (called by `self.conversations`, under the lock)."""
+        memory (the table's loader, called under its lock)."""
         loaded = self.store.load(cid) if self.store is not None else None
         if loaded is None:
             return None
         conv, parked = loaded
         if not parked:  # the KV its steps computed went with the process that ran them
             conv.known = conv.restored_known()
-        self._place(conv, conv.worker)
+        self.place(conv, conv.worker)
         return conv
 
-    def _evict_idle(self) -> None:
+    def evict_idle(self) -> None:
         """Past --max-resident-conversations, the least recently used
         conversations that no request and no canonical branch is using leave
         memory; what the runtime knew of their KV is parked in the store (their
@@ -118,12 +121,12 @@ class Persistence:
         bound = self.config.max_resident_conversations
         if self.store is None or not bound:
             return
-        with self._lock:
+        with self.table.lock:
             excess = self.conversations.resident - bound
             for conv in self.conversations.least_recent():
                 if excess <= 0:
                     return
-                lock = self._conv_locks.get(conv.id)
+                lock = self.table.lock_of(conv.id)
                 if lock is None or conv.id in self.materializer.jobs or not lock.acquire(blocking=False):
                     continue
                 try:
@@ -135,23 +138,12 @@ class Persistence:
                 finally:
                     lock.release()
 
-    def _new_id(self) -> str:
+    def new_id(self) -> str:
         draw = lambda: uuid.uuid4().hex[:16]  # noqa: E731
         return draw() if self.fleet is None else self.fleet.new_id(draw)
 
-    def _persist(self, conv: Conversation) -> None:
+    def persist(self, conv: Conversation) -> None:
         conv.worker = self.backend.worker_of(conv.id) or conv.worker  # a step may have moved it
         if conv.inferred and self.store is not None:
             conv.tail = self.sessions.tail_of(conv)
-        self._sized(conv, (self.store or self._unstored).save(conv))
-
-    def _sized(self, conv: Conversation, size: Optional[int]) -> None:
-        """Record the conversation's stored bytes (None: it is gone) in its tenant's total."""
-        self._sized_id(conv.id, conv.tenant, size)
-
-    def _sized_id(self, cid: str, tenant: Optional[str], size: Optional[int]) -> None:
-        with self._lock:
-            old = self._sizes.pop(cid, 0)
-            if size is not None:
-                self._sizes[cid] = size
-            self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) - old + (size or 0)
+        self.table.sized(conv.id, conv.tenant, (self.store or self.unstored).save(conv))

@@ -4,8 +4,8 @@ and in memory only the recently used ones.
 A stored conversation is known from start-up (the store's index: id, tenant)
 and read from the store at its first use (`get`); past the runtime's bound
 (`--max-resident-conversations`) the least recently used ones that nothing is
-using leave memory again (Runtime._evict_idle). Every call runs under the
-runtime's lock.
+using leave memory again (persistence.Persistence.evict_idle). Every call runs under the
+table's lock (conversation_table.py).
 """
 
 from __future__ import annotations

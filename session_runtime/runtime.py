@@ -9,28 +9,25 @@ examples call only this class.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
 import secrets
-import threading
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from radix_ext.tree import Namespace
 from session_runtime.config import RuntimeConfig
 from session_runtime.conversation import Conversation
 from session_runtime.backends import create_backend
 from session_runtime.backends.base import Cancellation
-from session_runtime.errors import (BackendUnavailable, storage_failure, TooManyConversations, ConversationBusy, ConversationNotFound, InvalidRequest,
-                                   ToolCallConflict, WorkerNotFound)
+from session_runtime.errors import BackendUnavailable, InvalidRequest, WorkerNotFound, storage_failure
 from session_runtime.auto_policy import AutoPolicy
 from session_runtime.materializer import Materializer
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.step import Step
 from session_runtime.tool_clearing import Cleared
-from session_runtime.registry import Conversations
+from session_runtime.conversation_table import ConversationTable
 from session_runtime.constrained.spec import NONE as NO_CONSTRAINT, OutputConstraint
 from session_runtime.templates import Message, Template, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
@@ -46,7 +43,7 @@ from session_runtime.turn_close import TurnClose
 log = logging.getLogger(__name__)
 
 
-class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
+class Runtime(StepPath, RuntimeInspection):
     """Holds conversations, the backend and the materializer. Thread-safe: steps
     of one conversation are serialized; the embedded engine serializes all
     steps, SGLang batches steps of different conversations."""
@@ -65,12 +62,12 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         if not self.backend.supports_offload:
             self.config = self.config.replace(offload="never")
         self.model_id = self.config.model_id or self.config.model
-        self.conversations = Conversations(self._load)
+        # The conversations and their locks (conversation_table.py), read from the store at first use.
+        self.table = ConversationTable(lambda cid: self.storage.load(cid))
+        self.conversations = self.table.registry
         self._templates: dict[str, Template] = {}
-        self._conv_locks: dict[str, threading.Lock] = {}
-        self._sizes: dict[str, int] = {}  # bytes each conversation takes as stored (estimated without a store)
-        self._tenant_bytes: dict[Optional[str], int] = {}
-        self._lock = threading.RLock()
+        self._lock = self.table.lock
+        self.checks = RequestChecks(self.config, self.tokenizer, self.backend, self.template, self.table.held)
         self._inflight: set[Cancellation] = set()  # steps running now: shutdown cancels them
         self._stopping = False
         self.sessions = SessionIndex(self.config.session_idle_ttl_s)  # inferred conversations (inference.py)
@@ -81,7 +78,9 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
             self.auto.cost  # fail at start, not on the first turn's close
         self.turn_close = TurnClose(self.backend, self.materializer, self.auto, c.idle_ttl_s)  # turn_close.py
         self.template(self.config.template)  # fail at start, not on the first request
-        self._open_store()
+        self.storage = Persistence(self.config, self.backend, self.table, self.sessions, self.materializer,
+                                   self._place)  # persistence.py: the store, and a fleet's ownership
+        self.table.on_loaded = self.storage.evict_idle
 
     def _materialized(self, job) -> None:
         """A canonical branch is in the tree: record it on the turn that closed.
@@ -92,7 +91,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         if conv is not None and conv.turns:
             conv.turns[-1].canonical_built(job.prefill_tokens)
             conv.canonical_kind = "canonical"
-            self._persist(conv)
+            self.storage.persist(conv)
 
     def drain_worker(self, worker: str) -> list[str]:
         """Many workers: nothing more is placed on `worker`, and its conversations
@@ -103,13 +102,13 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         moved = self.backend.drain(worker)
         for cid in moved:
             with self._lock:
-                conv, lock = self.conversations.get(cid), self._conv_locks.get(cid)
+                conv, lock = self.conversations.get(cid), self.table.lock_of(cid)
             if conv is not None and lock is not None and lock.acquire(blocking=False):
                 try:  # a step under way persists the new placement itself (and sees the move)
                     if self.conversations.peek(cid) is not conv:
                         continue  # it left memory meanwhile: its next use reads the placement back
                     conv.known = dataclasses.replace(conv.known, lost="backend_lost")
-                    self._persist(conv)
+                    self.storage.persist(conv)
                 finally:
                     lock.release()
         return moved
@@ -122,6 +121,38 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
             conv.worker = self.backend.place(conv.id, worker, stateless=stateless)
         except BackendUnavailable:
             conv.worker = worker
+
+    @property
+    def store(self):
+        """The store (store.py, or store_pg.py's PostgreSQL one), or None (--no-data-dir)."""
+        return self.storage.store
+
+    @property
+    def fleet(self):
+        """The fleet of processes over a PostgreSQL store (fleet.py), or None."""
+        return self.storage.fleet
+
+    def take(self, cid: str, claimed: bool) -> None:
+        """In a fleet, a request for `cid` is served here (persistence.Persistence.take)."""
+        self.storage.take(cid, claimed)
+
+    def serve_here(self, cid: str) -> None:
+        """In a fleet, before a stateless request steps `cid` (persistence.Persistence.serve_here)."""
+        self.storage.serve_here(cid)
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence a step may reach (an SGLang server's may be shorter than ours)."""
+        return self.checks.context_limit
+
+    @property
+    def max_tokens_limit(self) -> int:
+        """The most tokens a step may generate: --max-tokens-limit, never more than the context."""
+        return self.checks.max_tokens_limit
+
+    def max_tokens(self, requested: Optional[int], default: Optional[int] = 64) -> int:
+        """A request's max_tokens (request_checks.RequestChecks.max_tokens). Raises InvalidRequest."""
+        return self.checks.max_tokens(requested, default)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -177,9 +208,9 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         it was inferred from (stateless.py); its tool-call ids are then random,
         in that protocol's form. Raises InvalidRequest, or ConversationBusy when
         `conversation_id` is taken."""
-        tools = self._check_prompt(system, tools)
+        tools = self.checks.prompt(system, tools)
         _utf8("tenant", tenant or "")
-        self._check_budget(tenant or None)
+        self.checks.budget(tenant or None)
         template = template or self.config.template
         self.template(template)
         if not self.backend.holds_kv:
@@ -192,7 +223,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         if (policy or self.config.policy) == "auto" and self.backend.holds_kv:
             self.auto.cost  # the model's shape prices its turns: InvalidRequest where none is known
         conv = Conversation(
-            id=conversation_id or self._new_id(), system=system or None, tools=tools,
+            id=conversation_id or self.storage.new_id(), system=system or None, tools=tools,
             tenant=tenant or None, template=template,
             policy=ReasoningPolicy(policy or self.config.policy, keep_last_k),
             materialize=MaterializeSettings(materialize, continue_probability=continue_probability),
@@ -204,25 +235,15 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         if history:
             self._adopt(conv, conv.system, conv.tools, history)
             conv.version = 0
-        limit = self.config.max_conversations_per_tenant
-        with self._lock:
-            if conv.id in self.conversations:
-                raise ConversationBusy(f"conversation {conv.id!r} already exists")
-            if limit and self.conversations.count_of(conv.tenant) >= limit:
-                raise TooManyConversations(f"the tenant has {limit} conversations, the most this server keeps "
-                                           "(--max-conversations-per-tenant): delete some first")
-            self.conversations.add(conv)
-            self._conv_locks[conv.id] = threading.Lock()
+        self.table.add(conv, self.config.max_conversations_per_tenant)
         self._place(conv, stateless=stateless)
         try:
-            self._persist(conv)
+            self.storage.persist(conv)
         except Exception as exc:  # not saved, not created
-            with self._lock:
-                self.conversations.pop(conv.id, None)
-                self._conv_locks.pop(conv.id, None)
+            self.table.remove(conv)
             self.backend.release(conv.id)
             raise storage_failure("the conversation could not be saved, so it was not created", exc) from exc
-        self._evict_idle()
+        self.storage.evict_idle()
         return conv.id
 
     def _adopt(self, conv: Conversation, system: Optional[str], tools: Sequence[dict],
@@ -231,8 +252,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         (OpenAI messages without the system one), in memory only: the caller
         persists it with the step that follows. Keeps it as is when it already
         says the same; returns whether it replaced it. `system` and `tools` were
-        checked by the caller (_check_prompt). Raises InvalidRequest."""
-        self._fits("messages", "".join(map(importer.message_text, raw_messages)))
+        checked by the caller (RequestChecks.prompt). Raises InvalidRequest."""
+        self.checks.fits("messages", "".join(map(importer.message_text, raw_messages)))
         tpl = self.template(conv.template)
         messages = importer.client_messages(tpl, raw_messages)
         if self.backend.wants_transcript:  # upstream mode: the client's assistant messages go back as sent
@@ -281,8 +302,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         and in the store."""
         content = request.user_content
         if content is not None:
-            self._check_message(content)
-        with self._locked(conversation_id) as conv:
+            self.checks.message(content)
+        with self.table.locked(conversation_id) as conv:
             answered = replay(conv) if replay is not None else None
             if answered is not None:
                 if options.get("on_prefill"):
@@ -293,7 +314,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                 return answered
             before = copy.deepcopy(conv) if replace else None
             if replace:
-                tools = self._check_prompt(request.system, request.tools if request.tools is not None else conv.tools)
+                tools = self.checks.prompt(request.system, request.tools if request.tools is not None else conv.tools)
                 self._adopt(conv, request.system, tools, request.history)
             else:
                 continuation.check(conv, self.template(conv.template), request)
@@ -341,41 +362,13 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
 
     def get(self, conversation_id: str) -> Conversation:
         """Raises ConversationNotFound."""
-        with self._lock:
-            resident = self.conversations.resident
-            conv = self.conversations.get(conversation_id)
-            loaded = self.conversations.resident > resident
-        if conv is None:
-            raise ConversationNotFound(conversation_id)
-        if loaded:
-            self._evict_idle()
-        return conv
-
-    @contextlib.contextmanager
-    def _locked(self, conversation_id: str) -> Iterator[Conversation]:
-        """Hold the conversation's lock; raises ConversationNotFound if it is gone
-        by the time the lock is ours (a delete that ran first wins)."""
-        while True:
-            conv = self.get(conversation_id)
-            with self._lock:
-                lock = self._conv_locks.get(conv.id)
-            if lock is None:
-                raise ConversationNotFound(conversation_id)
-            with lock:
-                with self._lock:
-                    current = self.conversations.peek(conv.id)
-                if current is conv:
-                    yield conv
-                    return
-                if conversation_id not in self.conversations:
-                    raise ConversationNotFound(conversation_id)
-            # It left memory while we waited (_evict_idle): read it back.
+        return self.table.get(conversation_id)
 
     def delete_conversation(self, conversation_id: str, if_version: Optional[int] = None) -> bool:
         """Forget the conversation and unlock its chain (its KV becomes evictable).
         With `if_version`, only while nothing has committed since that version
         (an undo never deletes another request's turn). Returns whether it deleted."""
-        with self._locked(conversation_id) as conv:
+        with self.table.locked(conversation_id) as conv:
             if if_version is not None and conv.version != if_version:
                 return False
             if self.store is not None:  # first: a delete that cannot be saved does not happen
@@ -383,16 +376,13 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                     self.store.delete(conv.id)
                 except Exception as exc:
                     raise storage_failure("the delete could not be saved, so it did not happen", exc) from exc
-            self._unstored.delete(conv.id)
+            self.storage.unstored.delete(conv.id)
             self.sessions.forget(conv.id)
             if conv.turns:  # how long conversations last: policy auto expects the rest of the others by it
                 self.auto.outlooks.ended(conv.id, conv.tenant, conv.closed_turns)
             self.materializer.cancel(conv.id)
             self.offload.forget(conv.id)
-            with self._lock:
-                self.conversations.pop(conv.id, None)
-                self._conv_locks.pop(conv.id, None)
-            self._sized(conv, None)
+            self.table.remove(conv)
             self.backend.release(conv.id)
             if self.fleet is not None:
                 self.fleet.forget(conv.id)
@@ -426,8 +416,8 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         pending), InvalidRequest, ContextTooLong or PoolExhausted; on error nothing
         changes.
         """
-        self._check_message(content)
-        with self._locked(conversation_id) as conv:
+        self.checks.message(content)
+        with self.table.locked(conversation_id) as conv:
             return self._message_step(conv, content, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                       logprobs=logprobs, forced=forced, on_token=on_token, on_prefill=on_prefill,
                                       cancel=cancel,
@@ -437,20 +427,11 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                       logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0, top_k=0, top_logprobs=0,
                       on_prefill=None, constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         """send_message's step, the conversation's lock held."""
-        new = self._user_message(conv, content)
+        new = self.checks.user_message(conv, content)
         return self._step(conv, new, new[0].turn,
-                          self._sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs,
+                          self.checks.sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs,
                                          constraint, top_k),
                           forced, on_token, cancel, on_prefill, constraint)
-
-    def _user_message(self, conv: Conversation, content: str) -> list[Message]:
-        """The user message that opens the conversation's next turn. Raises
-        ConversationBusy while tool calls are pending."""
-        if conv.protocol is not None:
-            pending = [c.id for c in conv.protocol.pending_calls]
-            raise ConversationBusy(f"turn {conv.protocol.turn} waits for tool results: {pending}; answer them "
-                                   "first")
-        return [Message("user", len(conv.turns), content)]
 
     def send_tool_results(
         self,
@@ -475,7 +456,7 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         Raises ToolCallConflict (no call pending, unknown or repeated id),
         InvalidRequest (a pending call left unanswered), and the send_message errors.
         """
-        with self._locked(conversation_id) as conv:
+        with self.table.locked(conversation_id) as conv:
             return self._results_step(conv, results, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                       logprobs=logprobs, forced=forced, on_token=on_token, on_prefill=on_prefill,
                                       cancel=cancel,
@@ -485,34 +466,10 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
                       seed=None, logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0,
                       top_k=0, top_logprobs=0, on_prefill=None, constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         """send_tool_results' step, the conversation's lock held."""
-        msgs = self._result_messages(conv, results)
-        return self._step(conv, msgs, msgs[0].turn, self._sampling(conv, max_tokens, temperature, seed, logprobs,
+        msgs = self.checks.result_messages(conv, results)
+        return self._step(conv, msgs, msgs[0].turn, self.checks.sampling(conv, max_tokens, temperature, seed, logprobs,
                                                                     top_p, top_logprobs, constraint, top_k),
                           forced, on_token, cancel, on_prefill, constraint)
-
-    def _result_messages(self, conv: Conversation, results: Sequence[dict]) -> list[Message]:
-        """The tool messages answering every pending call, in the calls' order.
-        Raises ToolCallConflict (none pending, unknown or repeated id),
-        InvalidRequest (a call left unanswered, bad results), ContextTooLong."""
-        if conv.protocol is None:
-            raise ToolCallConflict("no tool call is pending in this conversation")
-        by_id = {}
-        for r in results:
-            if not isinstance(r, dict) or not isinstance(r.get("tool_call_id"), str) or not isinstance(r.get("content", ""), str):
-                raise InvalidRequest("each result must be {tool_call_id: str, content: str}")
-            _utf8("tool result", r.get("content", ""))
-            self._fits("tool result", r.get("content", ""))
-            by_id.setdefault(r["tool_call_id"], []).append(r.get("content", ""))
-        pending = {c.id: c for c in conv.protocol.pending_calls}
-        unknown = [i for i in by_id if i not in pending]
-        repeated = [i for i, v in by_id.items() if len(v) > 1]
-        if unknown or repeated:
-            raise ToolCallConflict(f"unknown or already answered tool calls: {unknown + repeated}")
-        missing = [i for i in pending if i not in by_id]
-        if missing:
-            raise InvalidRequest(f"results must answer every pending call; missing {missing}")
-        turn = conv.protocol.turn
-        return [Message("tool", turn, content=by_id[c.id][0], tool_call_id=c.id) for c in conv.protocol.pending_calls]
 
     def prompt_tokens(self, conversation_id: str, request: continuation.ChatInput,
                       cleared: Optional[Cleared] = None) -> int:
@@ -522,10 +479,10 @@ class Runtime(Persistence, StepPath, RequestChecks, RuntimeInspection):
         before running."""
         content = request.user_content
         if content is not None:
-            self._check_message(content)
-        with self._locked(conversation_id) as conv:
-            new = self._user_message(conv, content) if content is not None else \
-                self._result_messages(conv, request.tool_results())
+            self.checks.message(content)
+        with self.table.locked(conversation_id) as conv:
+            new = self.checks.user_message(conv, content) if content is not None else \
+                self.checks.result_messages(conv, request.tool_results())
             keep = conv.kept_reasoning()
             history = conv.history if cleared is None or cleared == conv.cleared else \
                 self._derived_history(conv, cleared)

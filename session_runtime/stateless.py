@@ -77,7 +77,7 @@ class StatelessSteps:
         a system prompt or tools the runtime refuses, TooManyConversations when
         the tenant's cap is full of explicit conversations."""
         self._sweep()
-        tools = self.runtime._check_prompt(request.system, request.tools)
+        tools = self.runtime.checks.prompt(request.system, request.tools)
         keys = request_keys(tenant, self.runtime.config.template, request.system, tools, request.history, request.new,
                             [options, policy and (policy.name, policy.keep_last_k),
                              cleared and (sorted(cleared.results), sorted(cleared.inputs))])

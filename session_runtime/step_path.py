@@ -16,46 +16,18 @@ from session_runtime.constrained import grammar
 from session_runtime.constrained.spec import NONE as NO_CONSTRAINT, OutputConstraint, cut_at_stop
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.backends.base import Cancellation, StepRequest, StepResult, Transcript
-from session_runtime.errors import InvalidRequest, ShuttingDown, storage_failure
+from session_runtime.errors import ShuttingDown, storage_failure
 from session_runtime.sampling import SamplingParams
 from session_runtime.step import Step
-from session_runtime.templates import Message, Template, ToolCall
+from session_runtime.templates import Message, Template
 from session_runtime import turns as turn_rules
 from session_runtime.uncached import Known, attribute
 from session_runtime.proxy.prefix import OutboundPrefix
-from session_runtime.request_checks import _utf8
 from session_runtime.turn_close import Redrop, apply_redrop
 
 
 class StepPath:
     """Mixin of Runtime: one step, its commit and its turn's close."""
-
-    def _forced_ids(self, tpl: Template, forced: Optional[dict]) -> Optional[list[int]]:
-        if forced is None:
-            return None
-        if not isinstance(forced, dict) or set(forced) - {"reasoning", "content", "tool_calls"}:
-            raise InvalidRequest("forced must be {reasoning?, content?, tool_calls?}")
-        reasoning, content = forced.get("reasoning") or "", forced.get("content") or ""
-        if not isinstance(reasoning, str) or not isinstance(content, str):
-            raise InvalidRequest("forced reasoning and content must be strings")
-        _utf8("forced reasoning", reasoning, "forced content", content)
-        calls = []
-        for c in forced.get("tool_calls") or ():
-            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("arguments", {}), dict):
-                raise InvalidRequest("forced tool_calls must be [{name: str, arguments: object}]")
-            calls.append(ToolCall(id="", name=c["name"], arguments=c.get("arguments", {})))
-        ids = tpl.forced_ids(reasoning, content, calls)
-        # Replay appends exactly what the template writes: refuse what it cannot
-        # write back (a reasoning holding the end-of-thinking marker, a tool name
-        # that breaks the call markup, ...), rather than store something else.
-        back = tpl.parse_output(ids, "")
-        if (back.reasoning.strip(), back.content.strip()) != (reasoning.strip(), content.strip()) or [
-            (c.name, c.arguments) for c in back.tool_calls
-        ] != [(c.name, c.arguments) for c in calls]:
-            raise InvalidRequest("forced output does not survive the chat template: it would read back as "
-                                 f"reasoning {back.reasoning[:60]!r}, content {back.content[:60]!r}, "
-                                 f"{len(back.tool_calls)} tool calls")
-        return ids
 
     def _step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
               forced: Optional[dict], on_token: Optional[Callable[[int], None]] = None,
@@ -63,7 +35,7 @@ class StepPath:
               constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         """One step; `cancel` (or the request deadline) stops it between tokens,
         and then it changes nothing."""
-        self._check_budget(conv.tenant)
+        self.checks.budget(conv.tenant)
         cancel = cancel or Cancellation()
         if cancel.deadline is None and self.config.request_deadline_s:
             cancel.deadline = time.monotonic() + self.config.request_deadline_s
@@ -82,7 +54,7 @@ class StepPath:
                   on_prefill: Optional[Callable[[int, int], None]] = None,
                   constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
         tpl = self.template(conv.template)
-        forced_ids = self._forced_ids(tpl, forced)
+        forced_ids = self.checks.forced_ids(tpl, forced)
         ns = self.namespace(conv)
         first = new[0].role == "user"
         self.materializer.user_enter()
@@ -101,7 +73,7 @@ class StepPath:
             history = redrop.history if redrop is not None else conv.history
             rendered = tpl.render(conv.system, conv.tools, history + new, keep, True)
             # A budget past the context's end is what remains of it (the answer then ends on length).
-            remaining = max(self.context_limit - len(rendered.ids), 0)
+            remaining = max(self.checks.context_limit - len(rendered.ids), 0)
             if sampling.max_tokens > remaining and forced is None:
                 sampling = dataclasses.replace(sampling, max_tokens=remaining)
             if constraint.needs_grammar and forced is None:
@@ -164,7 +136,7 @@ class StepPath:
             raise
         conv.version += 1
         try:
-            self._persist(conv)  # before the response returns
+            self.storage.persist(conv)  # before the response returns
         except Exception as exc:
             undo()
             raise storage_failure("the step could not be saved, so it did not happen", exc) from exc

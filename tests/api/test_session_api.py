@@ -889,7 +889,7 @@ def test_two_requests_on_one_conversation_are_serialized(client, rt, live, monke
     cid = create(client, system=system, policy="keep", tenant="serialized")
     entered, release = threading.Event(), threading.Event()
     gets = []
-    real_claim, real_get = rt.materializer.claim, rt.get
+    real_claim, real_get = rt.materializer.claim, rt.table.get
 
     def claim(owner):
         if owner == cid and not entered.is_set():
@@ -903,7 +903,7 @@ def test_two_requests_on_one_conversation_are_serialized(client, rt, live, monke
         return real_get(conversation_id)
 
     monkeypatch.setattr(rt.materializer, "claim", claim)
-    monkeypatch.setattr(rt, "get", get)
+    monkeypatch.setattr(rt.table, "get", get)  # the conversations' part: Runtime.get and its lock look it up there
     done = []
     with httpx.Client(base_url=live.url, timeout=60) as c1, httpx.Client(base_url=live.url, timeout=60) as c2:
         t1 = in_thread(lambda: msg(c1, cid, content="First", forced={"reasoning": "one", "content": "1"}), done, "first")
@@ -912,7 +912,7 @@ def test_two_requests_on_one_conversation_are_serialized(client, rt, live, monke
         t2 = in_thread(lambda: msg(c2, cid, content="Second", forced={"reasoning": "two", "content": "2"}), done,
                        "second")
         deadline = time.monotonic() + 60
-        while len(gets) < n_gets + 2:  # respond() and _locked() of the second request
+        while len(gets) < n_gets + 2:  # respond() and table.locked() of the second request
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert done == []

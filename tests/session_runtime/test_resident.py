@@ -59,7 +59,7 @@ def test_conversations_that_leave_memory_step_and_account_as_if_they_had_stayed(
         rt.check_integrity()
         for cid in ids:  # what is stored is what the conversation holds
             conv = rt.get(cid)
-            assert rt._sizes[cid] == delta(conv, None).written.bytes
+            assert rt.table.size_of(cid) == delta(conv, None).written.bytes
     finally:
         rt.close()
 
@@ -90,6 +90,6 @@ def test_a_restart_over_ten_thousand_conversations_reads_only_what_it_touches(tm
         step = rt.send_message("used", "Again?", forced=FORCED)
         assert step.turn == 1 and rt.get("c00042").tenant == "tenant0"
         assert rt.conversations.resident == 2
-        assert rt._tenant_bytes["tenant0"] == sum(rt._sizes[f"c{i:05d}"] for i in range(0, 9999, 7))
+        assert rt.table.held("tenant0") == sum(rt.table.size_of(f"c{i:05d}") for i in range(0, 9999, 7))
     finally:
         rt.close()

@@ -256,7 +256,7 @@ def test_send_racing_delete_does_not_resurrect_the_chain(rt, monkeypatch):
     lock when send_message has already looked the conversation up."""
     cid = rt.create_conversation(system="Delete/send race probe.", policy="keep")
     rt.send_message(cid, "Hello", forced=FORCED)
-    real_get, real_cancel = rt.get, rt.materializer.cancel
+    real_get, real_cancel = rt.table.get, rt.materializer.cancel
     sender_got_conv = threading.Event()
     outcome = []
 
@@ -279,7 +279,7 @@ def test_send_racing_delete_does_not_resurrect_the_chain(rt, monkeypatch):
         assert sender_got_conv.wait(timeout=30)
         real_cancel(owner)
 
-    monkeypatch.setattr(rt, "get", get)
+    monkeypatch.setattr(rt.table, "get", get)  # the conversations' part: where a step looks it up
     monkeypatch.setattr(rt.materializer, "cancel", cancel)
     try:
         rt.delete_conversation(cid)

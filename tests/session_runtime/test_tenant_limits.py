@@ -111,9 +111,9 @@ def test_a_tenant_holds_at_most_its_budget_of_stored_bytes():
         a = runtime.create_conversation(tenant="a", system="word " * 200)
         runtime.send_message(a, "hello", max_tokens=2)
         # Kept step by step as a store would hold it: what writing it whole would take.
-        assert runtime._tenant_bytes["a"] == delta(runtime.get(a), None).written.bytes
+        assert runtime.table.held("a") == delta(runtime.get(a), None).written.bytes
         b = runtime.create_conversation(tenant="a", system="word " * 380)
-        assert runtime._tenant_bytes["a"] > 3000
+        assert runtime.table.held("a") > 3000
         with pytest.raises(TenantStorageFull) as err:
             runtime.send_message(a, "again", max_tokens=2)
         assert err.value.status == 429 and str(err.value).startswith("the tenant's conversations hold ")
