@@ -1,6 +1,9 @@
 """Read-only views of a Runtime: a conversation's layers, the tree, /metrics' samples.
 
-A mixin of Runtime, kept apart from the code that changes state.
+The runtime's part for them (runtime.py builds it with the conversations'
+table, the backend, the tokenizer, the templates, the store's part for the
+fleet, the session index, the auto policy and the materializer), kept apart
+from the code that changes state; it changes nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,12 @@ from session_runtime.metrics import Sample, counter, gauge
 
 
 class RuntimeInspection:
+    def __init__(self, table, backend, tokenizer, template, storage, sessions, auto, materializer):
+        self.table, self.backend, self.tokenizer, self.template = table, backend, tokenizer, template
+        self.storage, self.sessions, self.auto, self.materializer = storage, sessions, auto, materializer
+        self.conversations = table.registry
+        self.get = table.get
+
     def describe(self, conversation_id: str, tokens: bool = False) -> dict:
         """Trace, canonical history, per-turn accounting and the chain."""
         conv = self.get(conversation_id)
@@ -58,7 +67,7 @@ class RuntimeInspection:
         by id after `after`: each one's id, tenant, policy, turn count, state
         and whether it was inferred from a stateless client (its protocol) or
         named by one (None). `{"data": [...], "has_more": bool}`."""
-        with self._lock:
+        with self.table.lock:
             ids = sorted(self.conversations if everyone else self.conversations.ids_of(tenant))
         if after is not None:
             ids = ids[bisect.bisect_right(ids, after):]
@@ -119,20 +128,26 @@ class RuntimeInspection:
         or {"ok": False, "error": ...}."""
         try:
             report = self.backend.integrity()  # the backend's check, once
-            self._check_chains()
+            self.check_chains()
             return {"ok": True, **report}
         except AssertionError as exc:
             return {"ok": False, "error": str(exc)}
 
+    def check_chains(self) -> None:
+        """Every chain the backend holds has a conversation here."""
+        for cid in self.backend.chain_lengths():
+            with self.table.lock:
+                assert cid in self.conversations, f"chain {cid} has no conversation"
+
     def chains(self) -> dict[str, int]:
         """Tokens each conversation's chain holds in the tree."""
         held = self.backend.peek_chain_lengths()
-        with self._lock:
+        with self.table.lock:
             return {cid: held.get(cid, 0) for cid in list(self.conversations)}
 
     def conversations_of(self, tenant: Optional[str]) -> set[str]:
         """Ids of the tenant's conversations (None: the default tenant's)."""
-        with self._lock:
+        with self.table.lock:
             return self.conversations.ids_of(tenant)
 
     def metric_samples(self) -> list[Sample]:
@@ -144,10 +159,11 @@ class RuntimeInspection:
             pools = []
         stats = self.materializer.stats
         fleet = []
-        if self.fleet is not None:  # which process answered: its id as a label
+        member = self.storage.fleet
+        if member is not None:  # which process answered: its id as a label
             fleet = [gauge("fleet_member", 1.0, "This runtime process in a fleet over one store (label: its id)"
-                           ).labelled(member=self.fleet.id),
-                     gauge("fleet_members_live", len(self.fleet.live()), "Runtime processes live over the store")]
+                           ).labelled(member=member.id),
+                     gauge("fleet_members_live", len(member.live()), "Runtime processes live over the store")]
         return [
             *pools,
             *fleet,

@@ -4,22 +4,27 @@ start, a conversation read at its first use and parked when it leaves memory,
 each step's write and the per-tenant byte totals it keeps, and what a fleet
 member does when it serves a conversation another process created or owned.
 
+Also where its record says it lives: its worker (placed at creation and at
+load, moved off a drained one, which its record then says lost its KV), and
+its canonical branch once built.
+
 The runtime's part for it (runtime.py builds it), handed what it uses: the
 config, the backend, the conversations and their locks (conversation_table.py),
-the session index, the materializer (whose jobs keep a conversation in memory)
-and how a conversation is placed on a worker.
+the session index and the materializer (whose jobs keep a conversation in
+memory).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from session_runtime.conversation import Conversation
 from session_runtime.conversation_table import ConversationTable
-from session_runtime.errors import OwnedElsewhere
+from session_runtime.errors import BackendUnavailable, OwnedElsewhere, WorkerNotFound
 from session_runtime.store import Store, Stored, Unstored
 
 log = logging.getLogger("session_runtime.runtime")
@@ -29,10 +34,9 @@ class Persistence:
     """Opens the store: only the index is read; a conversation is read at its
     first use (`load`, the table's loader)."""
 
-    def __init__(self, config, backend, table: ConversationTable, sessions, materializer,
-                 place: Callable[[Conversation, Optional[str]], None]):
+    def __init__(self, config, backend, table: ConversationTable, sessions, materializer):
         self.config, self.backend, self.table = config, backend, table
-        self.sessions, self.materializer, self.place = sessions, materializer, place
+        self.sessions, self.materializer = sessions, materializer
         self.conversations = table.registry
         self.store: Optional[Store] = None
         self.fleet = None  # several processes over one PostgreSQL store (fleet.py)
@@ -147,3 +151,43 @@ class Persistence:
         if conv.inferred and self.store is not None:
             conv.tail = self.sessions.tail_of(conv)
         self.table.sized(conv.id, conv.tenant, (self.store or self.unstored).save(conv))
+
+    def place(self, conv: Conversation, worker: Optional[str] = None, stateless: bool = False) -> None:
+        """Many workers: the conversation's worker (a restored one while it is
+        usable; a stateless one's, none while sglang-router routes its steps).
+        None is up: placed at its first step instead."""
+        try:
+            conv.worker = self.backend.place(conv.id, worker, stateless=stateless)
+        except BackendUnavailable:
+            conv.worker = worker
+
+    def drain(self, worker: str) -> list[str]:
+        """Many workers: nothing more is placed on `worker`, and its conversations
+        move to the others now (their next steps prefill there). Returns the
+        conversations moved. Raises WorkerNotFound."""
+        if worker not in getattr(self.backend, "workers", {}):
+            raise WorkerNotFound(worker)
+        moved = self.backend.drain(worker)
+        for cid in moved:
+            with self.table.lock:
+                conv, lock = self.conversations.get(cid), self.table.lock_of(cid)
+            if conv is not None and lock is not None and lock.acquire(blocking=False):
+                try:  # a step under way persists the new placement itself (and sees the move)
+                    if self.conversations.peek(cid) is not conv:
+                        continue  # it left memory meanwhile: its next use reads the placement back
+                    conv.known = dataclasses.replace(conv.known, lost="backend_lost")
+                    self.persist(conv)
+                finally:
+                    lock.release()
+        return moved
+
+    def materialized(self, job) -> None:
+        """A canonical branch is in the tree: record it on the turn that closed.
+        Runs on the materializer's thread; the conversation's next step waits
+        for the job, so nothing else writes these fields meanwhile."""
+        with self.table.lock:
+            conv = self.conversations.get(job.owner)
+        if conv is not None and conv.turns:
+            conv.turns[-1].canonical_built(job.prefill_tokens)
+            conv.canonical_kind = "canonical"
+            self.persist(conv)

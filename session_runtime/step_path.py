@@ -1,13 +1,17 @@
 """The step path of the runtime: render, run one backend request, commit the
 step in every layer, and at a turn's close hand the turn to its close
 (turn_close.py: the reasoning policy, the fork, the canonical branch, the
-shadows of keep and drop for the next turn's counterfactual). A mixin of Runtime (`runtime.py`),
-which holds the conversations, their locks and the store; a step runs with
-its conversation's lock held."""
+shadows of keep and drop for the next turn's counterfactual). The runtime's
+part for it (runtime.py builds it with what it uses: the backend, the
+materializer, the offload manager, the request checks, the turn's close, the
+store, the auto policy's outlooks, the templates and the cache namespace); a
+step runs with its conversation's lock held (conversation_table.py), and this
+part owns the steps in flight, which a shutdown stops."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Callable, Optional
 
@@ -27,9 +31,32 @@ from session_runtime.turn_close import Redrop, apply_redrop
 
 
 class StepPath:
-    """Mixin of Runtime: one step, its commit and its turn's close."""
+    def __init__(self, config, backend, materializer, offload, checks, turn_close, storage, auto,
+                 template: Callable[[str], Template], namespace: Callable[[Conversation], object]):
+        self.config, self.backend, self.materializer, self.offload = config, backend, materializer, offload
+        self.checks, self.turn_close, self.storage, self.auto = checks, turn_close, storage, auto
+        self.template, self.namespace = template, namespace
+        self._lock = threading.Lock()
+        self._inflight: set[Cancellation] = set()  # steps running now: a shutdown cancels them
+        self._stopping = False
 
-    def _step(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
+    def message(self, conv: Conversation, content: str, **options) -> Step:
+        """A user message opening the conversation's next turn, and the turn's
+        first step (`options`: Runtime.send_message's)."""
+        return self._sampled(conv, self.checks.user_message(conv, content), **options)
+
+    def results(self, conv: Conversation, results, **options) -> Step:
+        """Tool results answering every pending call, and the turn's next step."""
+        return self._sampled(conv, self.checks.result_messages(conv, results), **options)
+
+    def _sampled(self, conv: Conversation, new: list[Message], *, max_tokens=None, temperature=0.0, seed=None,
+                 logprobs=False, forced=None, on_token=None, cancel=None, top_p=1.0, top_k=0, top_logprobs=0,
+                 on_prefill=None, constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
+        sampling = self.checks.sampling(conv, max_tokens, temperature, seed, logprobs, top_p, top_logprobs,
+                                        constraint, top_k)
+        return self.run(conv, new, new[0].turn, sampling, forced, on_token, cancel, on_prefill, constraint)
+
+    def run(self, conv: Conversation, new: list[Message], turn: int, sampling: SamplingParams,
               forced: Optional[dict], on_token: Optional[Callable[[int], None]] = None,
               cancel: Optional[Cancellation] = None, on_prefill: Optional[Callable[[int, int], None]] = None,
               constraint: OutputConstraint = NO_CONSTRAINT) -> Step:
@@ -40,7 +67,7 @@ class StepPath:
         if cancel.deadline is None and self.config.request_deadline_s:
             cancel.deadline = time.monotonic() + self.config.request_deadline_s
         with self._lock:
-            if getattr(self, "_closed", False) or self._stopping:
+            if self._stopping:
                 raise ShuttingDown("the server is shutting down")
             self._inflight.add(cancel)
         try:
@@ -245,7 +272,7 @@ class StepPath:
             reasoning_tokens=len(result.output) - len(parsed.answer_ids) - int(parsed.ended),
         )
 
-    def stop_steps(self) -> None:
+    def stop(self) -> None:
         """Shutting down: steps in flight stop at their next token and fail (503),
         changing nothing, and no new step starts."""
         with self._lock:
