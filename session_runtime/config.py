@@ -149,7 +149,7 @@ class RuntimeConfig:
     # (the data folder still holds the server secret and stored responses).
     store: Optional[str] = None
     # With `store`: the URL the other runtime processes over the same store reach
-    # this one at (fleet.py); set, this process joins them. A member silent for
+    # this one at (store/fleet.py); set, this process joins them. A member silent for
     # member_ttl_s is gone: the others take its conversations over.
     advertise_url: Optional[str] = None
     member_ttl_s: float = 3.0

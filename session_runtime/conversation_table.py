@@ -1,5 +1,5 @@
 """The runtime's conversations and their locks (runtime.py's part): the
-registry of every conversation it knows (registry.py: read at first use), one
+registry of every conversation it knows (store/registry.py: read at first use), one
 lock per conversation that its steps hold, the runtime's lock over all of it,
 and each conversation's stored bytes summed per tenant (their budget).
 
@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 
 from session_runtime.conversation import Conversation
 from session_runtime.errors import ConversationBusy, ConversationNotFound, TooManyConversations
-from session_runtime.registry import Conversations
+from session_runtime.store.registry import Conversations
 
 
 class ConversationTable:

@@ -71,7 +71,7 @@ class Match:
 
 @dataclass(frozen=True)
 class StoredInferred:
-    """An inferred conversation as the store keeps it for the index (store.py `inferred`)."""
+    """An inferred conversation as the store keeps it for the index (store/sqlite.py `inferred`)."""
 
     conversation_id: str
     tenant: Optional[str]

@@ -33,7 +33,7 @@ from session_runtime import continuation
 from session_runtime.inference import SessionIndex
 from session_runtime.stateless import StatelessSteps
 from session_runtime.inspection import RuntimeInspection
-from session_runtime.persistence import Persistence
+from session_runtime.store.persistence import Persistence
 from session_runtime.request_checks import RequestChecks, _utf8
 from session_runtime.step_path import StepPath
 from session_runtime.turn_close import TurnClose
@@ -75,7 +75,7 @@ class Runtime:
         self.turn_close = TurnClose(self.backend, self.materializer, self.auto, c.idle_ttl_s)  # turn_close.py
         self.template(self.config.template)  # fail at start, not on the first request
         self.storage = Persistence(self.config, self.backend, self.table, self.sessions,
-                                   self.materializer)  # persistence.py: the store, and a fleet's ownership
+                                   self.materializer)  # store/persistence.py: the store, and a fleet's ownership
         self.table.on_loaded = self.storage.evict_idle
         self.materializer.on_done = self.storage.materialized
         self.views = RuntimeInspection(self.table, self.backend, self.tokenizer, self.template, self.storage,
@@ -92,12 +92,12 @@ class Runtime:
 
     @property
     def store(self):
-        """The store (store.py, or store_pg.py's PostgreSQL one), or None (--no-data-dir)."""
+        """The store (store/sqlite.py, or store/pg.py's PostgreSQL one), or None (--no-data-dir)."""
         return self.storage.store
 
     @property
     def fleet(self):
-        """The fleet of processes over a PostgreSQL store (fleet.py), or None."""
+        """The fleet of processes over a PostgreSQL store (store/fleet.py), or None."""
         return self.storage.fleet
 
     def take(self, cid: str, claimed: bool) -> None:

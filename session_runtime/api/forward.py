@@ -1,4 +1,4 @@
-"""Any runtime process of a fleet answers any route (fleet.py): a request for
+"""Any runtime process of a fleet answers any route (store/fleet.py): a request for
 a conversation another process owns is forwarded to it, once, and its
 answer (streams included) relayed as it comes.
 
@@ -42,7 +42,7 @@ from session_runtime.api.auth import _header
 from session_runtime.api.content_type import read_body
 from session_runtime.api.errors import ApiError, error_response
 from session_runtime.errors import OwnedElsewhere, StorageUnavailable
-from session_runtime.fleet import Route
+from session_runtime.store.fleet import Route
 
 FORWARDED = b"x-session-runtime-forwarded"
 MEMBER = b"x-session-runtime-member"

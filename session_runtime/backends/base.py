@@ -306,7 +306,7 @@ class Backend(ABC):
         """The runtime knows these conversations (at start): a backend that may
         hold chains from before (a server given by URL) keeps theirs for this
         runtime and releases every other one (`release_others` False: leaves the
-        others alone, as a fleet member must: fleet.py)."""
+        others alone, as a fleet member must: store/fleet.py)."""
 
     def integrity(self) -> dict:
         """check_integrity, and what it found, for operators (ranks compared, ...)."""

@@ -14,7 +14,7 @@ import threading
 from types import SimpleNamespace
 
 from session_runtime.api.forward import Forward
-from session_runtime.fleet import Route
+from session_runtime.store.fleet import Route
 
 
 STRUCK: list[str] = []  # members the relaying process struck off as gone (Fleet.unreachable)

@@ -189,7 +189,7 @@ def test_the_data_file_is_its_owners_only(tmp_path):
     from session_runtime.conversation import Conversation
     from session_runtime.offload import OffloadSettings
     from session_runtime.policies import MaterializeSettings, ReasoningPolicy
-    from session_runtime.store import Store
+    from session_runtime.store.sqlite import Store
 
     def mode(p) -> int:
         return stat.S_IMODE(os.stat(p).st_mode)

@@ -37,7 +37,7 @@ def test_sigterm_during_a_long_generation_exits_within_seconds(tmp_path):
             proc.kill()
             proc.wait()
     # Nothing changed: the saved conversation has no turn.
-    from session_runtime.store import Store
+    from session_runtime.store.sqlite import Store
 
     store = Store(tmp_path / "conversations.sqlite3")
     try:

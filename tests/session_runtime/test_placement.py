@@ -44,7 +44,7 @@ def test_no_live_worker_is_an_error():
 def test_the_placement_is_kept_with_the_conversation(tmp_path):
     from session_runtime.conversation import Conversation
     from session_runtime.policies import MaterializeSettings, ReasoningPolicy
-    from session_runtime.store import Store
+    from session_runtime.store.sqlite import Store
 
     conv = Conversation(id="c", system=None, tools=[], tenant=None, template="deepseek",
                         policy=ReasoningPolicy("drop"), materialize=MaterializeSettings("auto"), worker="w1")

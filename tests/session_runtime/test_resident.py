@@ -7,8 +7,8 @@ only the index and holds in memory only what it has touched."""
 from __future__ import annotations
 
 from session_runtime import Runtime, RuntimeConfig
-from session_runtime.store import Store
-from session_runtime.store_delta import delta
+from session_runtime.store.sqlite import Store
+from session_runtime.store.delta import delta
 
 FORCED = {"reasoning": "Think it over first.", "content": "A short answer."}
 CALL = {"reasoning": "Use the tool.", "tool_calls": [{"name": "calc", "arguments": {"x": 1}}]}

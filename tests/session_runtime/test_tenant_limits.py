@@ -103,7 +103,7 @@ def test_a_long_text_is_refused_after_tokenizing_about_a_context_of_it(rt):
 
 def test_a_tenant_holds_at_most_its_budget_of_stored_bytes():
     from session_runtime.errors import TenantStorageFull
-    from session_runtime.store_delta import delta
+    from session_runtime.store.delta import delta
 
     runtime = Runtime(RuntimeConfig(model="tiny", pool_tokens=4096, max_context=512, max_tenant_bytes=3000),
                       background=False)

@@ -18,9 +18,9 @@ from session_runtime.accounting import StepAccounting
 from session_runtime.conversation import Conversation, ProtocolState, TraceEntry, TurnRecord
 from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
-from session_runtime.store import Store
-from session_runtime.store_pg import PgStore
-from session_runtime.store_delta import delta
+from session_runtime.store.sqlite import Store
+from session_runtime.store.pg import PgStore
+from session_runtime.store.delta import delta
 from session_runtime.templates.base import Message, ToolCall
 
 

@@ -1,4 +1,4 @@
-"""Who serves a conversation in a fleet (session_runtime/fleet.py), on a real
+"""Who serves a conversation in a fleet (session_runtime/store/fleet.py), on a real
 PostgreSQL server: a live owner keeps it, an orphan goes to its first choice
 (or to the member a request was relayed to), a claim happens once, and the
 store refuses a write from a member that does not own the conversation."""
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from session_runtime.fleet import Fleet
-from session_runtime.store_pg import NotOwner, PgStore
-from tests.session_runtime.test_store import _conv
+from session_runtime.store.fleet import Fleet
+from session_runtime.store.pg import NotOwner, PgStore
+from tests.session_runtime.store.test_store import _conv
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 A step writes what it added, in one transaction before its response returns:
 its messages, trace entries and accounting as rows of their own, its turn's
 record, and the conversation's small row (settings when they changed, state).
-Nothing on a step's path writes the whole history again (store_delta.py finds
+Nothing on a step's path writes the whole history again (delta.py finds
 what changed by identity). Physical state (KV) is never stored: a restarted
 server rebuilds it by prefill on the next step. A conversation that leaves
 memory while this process runs (the runtime's bound on resident ones) parks
@@ -28,8 +28,8 @@ from typing import Iterator, NamedTuple, Optional
 from session_runtime.conversation import Conversation
 from session_runtime.errors import StorageUnavailable
 from session_runtime.inference import StoredInferred
-from session_runtime.store_delta import Written, delta, written_of
-from session_runtime.store_rows import conversation_of, legacy_conversation, parked_row, unpark
+from session_runtime.store.delta import Written, delta, written_of
+from session_runtime.store.rows import conversation_of, legacy_conversation, parked_row, unpark
 
 # One schema for SQLite and PostgreSQL: {now} is the dialect's clock, {rowid}
 # SQLite's clustering clause.
@@ -88,7 +88,7 @@ class Stored(NamedTuple):
 
 class Store:
     """The conversations' rows in one SQL database: an SQLite file (one
-    process, the default) or PostgreSQL (`store_pg.py`, shared by several).
+    process, the default) or PostgreSQL (`pg.py`, shared by several).
     Safe to call from several threads."""
 
     now = "julianday('now')"  # the dialect's clock, for `updated_at`
@@ -150,7 +150,7 @@ class Store:
 
     def _fence(self, conversation_id: str) -> None:
         """Inside a transaction, before a conversation's rows change: one
-        process per file here; several over PostgreSQL check ownership (store_pg.py)."""
+        process per file here; several over PostgreSQL check ownership (pg.py)."""
 
     def _write(self, conv: Conversation, d, size: int, fresh: bool) -> None:
         if fresh:  # what this process has not written or read: nothing of it may stay

@@ -25,7 +25,7 @@ from typing import Optional
 from session_runtime.conversation import Conversation
 from session_runtime.conversation_table import ConversationTable
 from session_runtime.errors import BackendUnavailable, OwnedElsewhere, WorkerNotFound
-from session_runtime.store import Store, Stored, Unstored
+from session_runtime.store.sqlite import Store, Stored, Unstored
 
 log = logging.getLogger("session_runtime.runtime")
 
@@ -42,11 +42,11 @@ class Persistence:
         self.fleet = None  # several processes over one PostgreSQL store (fleet.py)
         self.unstored = Unstored()  # without a store: the bytes each conversation would take in one
         if self.config.store:
-            from session_runtime.store_pg import PgStore
+            from session_runtime.store.pg import PgStore
 
             self.store = PgStore(self.config.store)
             if self.config.advertise_url:
-                from session_runtime.fleet import Fleet
+                from session_runtime.store.fleet import Fleet
 
                 self.fleet = Fleet(self.config.store, self.config.advertise_url, self.config.member_ttl_s)
                 self.store.member = self.fleet.id

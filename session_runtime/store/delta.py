@@ -22,7 +22,7 @@ from typing import Optional
 
 from session_runtime.conversation import Conversation
 from session_runtime.sequences import first_difference
-from session_runtime.store_rows import HISTORY, STEP, TRACE, TURN, head_key, head_row, history_row, state_row, \
+from session_runtime.store.rows import HISTORY, STEP, TRACE, TURN, head_key, head_row, history_row, state_row, \
     step_row, trace_row, turn_row
 
 

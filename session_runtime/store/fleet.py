@@ -9,7 +9,7 @@ conversation.
   for another's is forwarded to it (api/forward.py), never served twice. The
   store fences every write: a step's rows are written only while its writer
   owns the conversation, checked in the step's own transaction
-  (store_pg.py), so a member that stalled past its beat cannot acknowledge a
+  (pg.py), so a member that stalled past its beat cannot acknowledge a
   step another member has taken over.
 - **Placement.** The workers' placement (placement.py: consistent hashing
   of the conversation id with bounded loads) over the live members, each
@@ -32,9 +32,9 @@ from typing import Callable, Optional
 
 from session_runtime.errors import StorageUnavailable
 from session_runtime.placement import place, ring
-from session_runtime.store_pg import connect
+from session_runtime.store.pg import connect
 
-log = logging.getLogger("session_runtime.fleet")
+log = logging.getLogger("session_runtime.store.fleet")
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS members (id TEXT PRIMARY KEY, url TEXT NOT NULL, beat DOUBLE PRECISION NOT NULL)",
@@ -170,7 +170,7 @@ class Fleet:
     def owned(self, cid: str) -> Optional[Route]:
         """Here, without asking the store, for a conversation this member found
         it owns, while its beats hold (no member takes a live one's
-        conversations; a write checks it again: store_pg.py `_fence`). Else None."""
+        conversations; a write checks it again: pg.py `_fence`). Else None."""
         if cid in self._mine and time.monotonic() - self._beaten < self.ttl:
             return Route(self.id)
         return None

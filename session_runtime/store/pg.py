@@ -1,7 +1,7 @@
 """The conversation store in PostgreSQL: `serve --store postgresql://...`.
 
 The same rows and the same one-transaction-per-step writes as the SQLite
-store (store.py), over one connection per runtime process, in autocommit mode
+store (sqlite.py), over one connection per runtime process, in autocommit mode
 with explicit transactions (`BEGIN ... COMMIT`), so that a step's rows are
 durable when its response returns (PostgreSQL's default `synchronous_commit`).
 A transaction's statements are pipelined (libpq's pipeline mode): a step's
@@ -17,7 +17,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from session_runtime.errors import InvalidRequest
-from session_runtime.store import Store
+from session_runtime.store.sqlite import Store
 
 SCHEMES = ("postgresql", "postgres")
 _SCHEMA_LOCK = 0x5E55_1011  # an advisory lock's key: creating the tables

@@ -1,4 +1,4 @@
-"""A conversation as the store's rows (store.py), and back.
+"""A conversation as the store's rows (sqlite.py), and back.
 
 The rows are what a step appends: one per message of the canonical history
 and of the trace, one per turn record (without its steps), one per step's
