@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from session_runtime.conversation import Conversation
-from session_runtime.conversation_table import ConversationTable
+from session_runtime.runtime.conversation_table import ConversationTable
 from session_runtime.errors import BackendUnavailable, OwnedElsewhere, WorkerNotFound
 from session_runtime.store.sqlite import Store, Stored, Unstored
 

@@ -239,7 +239,7 @@ def test_a_tenant_at_its_cap_loses_its_oldest_inferred_conversation(monkeypatch)
     the least recently used inferred conversation makes room. An explicit
     conversation is never evicted for it, and inferred ones expire after the
     idle TTL (their records deleted)."""
-    import session_runtime.stateless as stateless
+    import session_runtime.runtime.stateless as stateless
 
     with served(max_conversations_per_tenant=3, session_idle_ttl_s=60) as live:
         rt = live.runtime

@@ -25,21 +25,21 @@ from session_runtime.offload import OffloadSettings
 from session_runtime.policies import MaterializeSettings, ReasoningPolicy
 from session_runtime.step import Step
 from session_runtime.tool_clearing import Cleared
-from session_runtime.conversation_table import ConversationTable
+from session_runtime.runtime.conversation_table import ConversationTable
 from session_runtime.constrained.spec import NONE as NO_CONSTRAINT, OutputConstraint
 from session_runtime.templates import Template, auto_template, build_template
 from session_runtime.tokenizer import load_tokenizer
 from session_runtime import continuation
 from session_runtime.inference import SessionIndex
-from session_runtime.stateless import StatelessSteps
-from session_runtime.inspection import RuntimeInspection
+from session_runtime.runtime.stateless import StatelessSteps
+from session_runtime.runtime.inspection import RuntimeInspection
 from session_runtime.store.persistence import Persistence
-from session_runtime.request_checks import RequestChecks, _utf8
-from session_runtime.step_path import StepPath
-from session_runtime.turn_close import TurnClose
-from session_runtime.chat_history import ChatHistory
+from session_runtime.runtime.request_checks import RequestChecks, _utf8
+from session_runtime.runtime.step_path import StepPath
+from session_runtime.runtime.turn_close import TurnClose
+from session_runtime.runtime.chat_history import ChatHistory
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("session_runtime.runtime")
 
 
 class Runtime:

@@ -1,6 +1,6 @@
 """Read-only views of a Runtime: a conversation's layers, the tree, /metrics' samples.
 
-The runtime's part for them (runtime.py builds it with the conversations'
+The runtime's part for them (core.py builds it with the conversations'
 table, the backend, the tokenizer, the templates, the store's part for the
 fleet, the session index, the auto policy and the materializer), kept apart
 from the code that changes state; it changes nothing.

@@ -1,4 +1,4 @@
-"""The runtime's conversations and their locks (runtime.py's part): the
+"""The runtime's conversations and their locks (core.py's part): the
 registry of every conversation it knows (store/registry.py: read at first use), one
 lock per conversation that its steps hold, the runtime's lock over all of it,
 and each conversation's stored bytes summed per tenant (their budget).

@@ -2,7 +2,7 @@
 tokenized whole: text, sizes against the context, the tenant's stored bytes,
 sampling parameters, a turn's new messages (a user message, tool results
 answering every pending call) and forced output. The runtime's part for it
-(runtime.py builds it with the config, tokenizer, backend, its templates and
+(core.py builds it with the config, tokenizer, backend, its templates and
 the tenants' stored bytes); it changes nothing."""
 
 from __future__ import annotations

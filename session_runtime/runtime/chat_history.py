@@ -1,4 +1,4 @@
-"""A chat client's history against a stored conversation (runtime.py's part
+"""A chat client's history against a stored conversation (core.py's part
 for it): a stateless request's step on the conversation it continues
 (`step`: its history checked against the stored one, continuation.py, or made
 the conversation's with `replace`; a protocol's own reasoning policy or
@@ -20,9 +20,9 @@ from typing import Callable, Optional, Sequence
 
 from session_runtime import continuation, importer, tool_clearing
 from session_runtime.conversation import Conversation
-from session_runtime.conversation_table import ConversationTable
+from session_runtime.runtime.conversation_table import ConversationTable
 from session_runtime.policies import ReasoningPolicy
-from session_runtime.request_checks import RequestChecks
+from session_runtime.runtime.request_checks import RequestChecks
 from session_runtime.step import Step
 from session_runtime.templates import Message, Template
 from session_runtime.tool_clearing import Cleared

@@ -2,7 +2,7 @@
 step in every layer, and at a turn's close hand the turn to its close
 (turn_close.py: the reasoning policy, the fork, the canonical branch, the
 shadows of keep and drop for the next turn's counterfactual). The runtime's
-part for it (runtime.py builds it with what it uses: the backend, the
+part for it (core.py builds it with what it uses: the backend, the
 materializer, the offload manager, the request checks, the turn's close, the
 store, the auto policy's outlooks, the templates and the cache namespace); a
 step runs with its conversation's lock held (conversation_table.py), and this
@@ -27,7 +27,7 @@ from session_runtime.templates import Message, Template
 from session_runtime import turns as turn_rules
 from session_runtime.uncached import Known, attribute
 from session_runtime.proxy.prefix import OutboundPrefix
-from session_runtime.turn_close import Redrop, apply_redrop
+from session_runtime.runtime.turn_close import Redrop, apply_redrop
 
 
 class StepPath:
