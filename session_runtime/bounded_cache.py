@@ -1,6 +1,12 @@
 """A memo bounded by bytes, not entries: a few huge inputs (a 10 MB message
 that is then refused) cannot pin memory, and small ones are kept by the
-thousand. Least recently used first out; thread-safe."""
+thousand. Least recently used first out; thread-safe.
+
+`IdentityMemo` is the same keyed by an object's identity, for values derived
+from objects never changed in place (a message, a tools list): the object is
+kept alive beside its value, so its id is not reused while the entry lives.
+(weak_memo.py keeps values only as long as their objects live instead, for
+objects that can be weakly referenced.)"""
 
 from __future__ import annotations
 
@@ -55,3 +61,22 @@ class BytesLRU(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class IdentityMemo(Generic[V]):
+    """`compute(obj)` by the identity of `obj`, within `max_bytes` as
+    `size(obj, value)` counts them."""
+
+    def __init__(self, max_bytes: int, size: Callable[[object, V], int]):
+        self._lru: BytesLRU[tuple[object, V]] = BytesLRU(max_bytes, lambda key, hit: size(hit[0], hit[1]))
+
+    def get(self, obj: object, compute: Callable[[object], V]) -> V:
+        hit = self._lru.get(id(obj))
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        value = compute(obj)
+        self._lru.put(id(obj), (obj, value))  # the object kept alive: its id is not reused meanwhile
+        return value
+
+    def __len__(self) -> int:
+        return len(self._lru)

@@ -5,10 +5,9 @@ step renders the same history several times (templates/hf.py)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional, Sequence
 
-from session_runtime.bounded_cache import BytesLRU
+from session_runtime.bounded_cache import IdentityMemo
 from session_runtime.templates.base import Message
 from session_runtime.templates.official import blob
 
@@ -24,9 +23,11 @@ class TemplateMessages:
 
     def __init__(self, thinking_field: str):
         self.thinking_field = thinking_field
-        # id(message) -> (message, dict, blob), within _MESSAGE_DICTS bytes of blobs
-        self._dicts = BytesLRU(_MESSAGE_DICTS, lambda key, hit: 2 * len(hit[2]) + 8 * len(hit[0].output_ids) + 300)
-        self._tools: OrderedDict = OrderedDict()  # id(tools) -> (tools, in OpenAI's shape)
+        # message -> (its dict, its blob), within _MESSAGE_DICTS bytes of blobs
+        self._dicts: IdentityMemo[tuple[dict, bytes]] = IdentityMemo(
+            _MESSAGE_DICTS, lambda m, hit: 2 * len(hit[1]) + 8 * len(m.output_ids) + 300)
+        # tools -> the same in OpenAI's shape (one list per tools object: official._tools_bytes keeps its digest)
+        self._tools: IdentityMemo[list[dict]] = IdentityMemo(16 << 20, lambda tools, out: 1000 * len(out) + 100)
 
     def dicts(self, system: Optional[str], messages: Sequence[Message]) -> list[dict]:
         out = [{"role": "system", "content": system}] if system is not None else []
@@ -35,9 +36,9 @@ class TemplateMessages:
     def one(self, m: Message) -> tuple[dict, bytes]:
         """A message as the template takes it, and its bytes in a digest (kept
         per message object: a step renders the same history several times)."""
-        hit = self._dicts.get(id(m))
-        if hit is not None and hit[0] is m:
-            return hit[1], hit[2]
+        return self._dicts.get(m, self._build)
+
+    def _build(self, m: Message) -> tuple[dict, bytes]:
         if m.role == "assistant":
             d = {"role": "assistant", "content": m.content}
             if m.reasoning:
@@ -49,21 +50,12 @@ class TemplateMessages:
             d = {"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content}
         else:
             d = {"role": "user", "content": m.content}
-        b = blob(d)
-        self._dicts.put(id(m), (m, d, b))  # the message kept alive: its id is not reused meanwhile
-        return d, b
+        return d, blob(d)
 
     def tools(self, tools: Sequence[dict]) -> list[dict]:
         """The tools in OpenAI's shape, one list per tools object (so that its
         digest is kept: official._tools_bytes)."""
-        hit = self._tools.get(id(tools))
-        if hit is not None and hit[0] is tools:
-            return hit[1]
-        out = [_openai_tool(t) for t in tools]
-        self._tools[id(tools)] = (tools, out)
-        while len(self._tools) > 256:
-            self._tools.popitem(last=False)
-        return out
+        return self._tools.get(tools, lambda ts: [_openai_tool(t) for t in ts])
 
     def blobs(self, dicts: list[dict], offset: int, messages: Sequence[Message]) -> list[bytes]:
         return [blob(d) for d in dicts[:offset]] + [self.one(m)[1] for m in messages]

@@ -17,12 +17,11 @@ import bisect
 import hashlib
 import json
 import re
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from session_runtime.bounded_cache import BytesLRU
+from session_runtime.bounded_cache import BytesLRU, IdentityMemo
 from session_runtime.errors import InvalidRequest
 from session_runtime.tokenizer import Tokenizer
 
@@ -203,21 +202,15 @@ def prefix_digests(messages: list[dict], tools: list[dict], at: Sequence[int], s
     return out
 
 
-_TOOLS: "OrderedDict[int, tuple[list, bytes]]" = OrderedDict()  # id(tools) -> (tools, their bytes)
+# tools list -> its bytes in a digest, per list object
+_TOOLS: IdentityMemo[bytes] = IdentityMemo(16 << 20, lambda tools, out: len(out) + 100)
 
 
 def _tools_bytes(tools: list) -> bytes:
     """A tools list's bytes in a digest, kept per list object (a conversation's
     renderings digest the same tools, tens of kilobytes for a coding agent's,
     many times a step)."""
-    hit = _TOOLS.get(id(tools))
-    if hit is not None and hit[0] is tools:
-        return hit[1]
-    out = json.dumps(tools, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\x1d"
-    _TOOLS[id(tools)] = (tools, out)  # the list kept alive: its id is not reused meanwhile
-    while len(_TOOLS) > 256:
-        _TOOLS.popitem(last=False)
-    return out
+    return _TOOLS.get(tools, lambda t: json.dumps(t, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\x1d")
 
 
 def text_digest(text: str) -> bytes:
