@@ -167,7 +167,7 @@ class StatelessSteps:
                     content=m.content, tool_calls=[c.as_dict() for c in m.tool_calls],
                     finish_reason="tool_calls" if m.tool_calls else entry.finish_reason or "stop",
                     output_ids=list(m.output_ids), logprobs=None, accounting=conv.turns[-1].steps[-1],
-                    reasoning_tokens=len(m.output_ids) - len(parsed.answer_ids) - int(parsed.ended))
+                    reasoning_tokens=parsed.reasoning_tokens(len(m.output_ids)))
 
     def _create(self, p: Prepared) -> str:
         policy = p.policy or ReasoningPolicy(self.runtime.config.policy)

@@ -269,7 +269,7 @@ class StepPath:
             content=parsed.content, tool_calls=[c.as_dict() for c in parsed.tool_calls],
             finish_reason=finish, output_ids=result.output, logprobs=result.logprobs, accounting=acc,
             top_logprobs=result.top_logprobs, stop_sequence=result.stop_sequence,
-            reasoning_tokens=len(result.output) - len(parsed.answer_ids) - int(parsed.ended),
+            reasoning_tokens=parsed.reasoning_tokens(len(result.output)),
         )
 
     def stop(self) -> None:

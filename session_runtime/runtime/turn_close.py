@@ -244,8 +244,12 @@ def _dropped_answer(tpl: Template, conv: Conversation, canonical: int) -> int:
     sequence (`canonical` tokens long): before the first closed turn that keeps
     its reasoning (keep_last_k's), whose tokens past the fork are no answer of
     a dropped turn, though they are prefilled again with it."""
-    keep = conv.kept_reasoning()
-    kept = next((i for i, m in enumerate(conv.history) if m.role == "user" and keep(m.turn)), None)
+    keep, history = conv.kept_reasoning(), conv.history
+    start = keeping_starts(keep, history)  # one bisection where `keep` is a threshold
+    if start is not None and (start == len(history) or history[start].role == "user"):
+        kept = start if start < len(history) else None
+    else:
+        kept = next((i for i, m in enumerate(history) if m.role == "user" and keep(m.turn)), None)
     if kept is None:
         return canonical
     return tpl.rendered_length(conv.system, conv.tools, conv.history[:kept], keep, False)

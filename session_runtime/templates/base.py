@@ -72,6 +72,11 @@ class ParsedOutput:
     ended: bool  # the output closed with eos
     reasoning: str = ""  # the reasoning as text, without the template's markers
 
+    def reasoning_tokens(self, output_len: int) -> int:
+        """Of the `output_len` tokens parsed, the reasoning's (its markers
+        included): neither the answer nor the closing eos."""
+        return output_len - len(self.answer_ids) - int(self.ended)
+
 
 KeepReasoning = Callable[[int], bool]  # turn index -> does that turn keep its reasoning?
 
