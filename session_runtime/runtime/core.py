@@ -67,7 +67,6 @@ class Runtime:
         self._lock = self.table.lock
         self.checks = RequestChecks(self.config, self.tokenizer, self.backend, self.template, self.table.held)
         self.sessions = SessionIndex(self.config.session_idle_ttl_s)  # inferred conversations (inference.py)
-        self.stateless = StatelessSteps(self, self.sessions)  # stateless requests' way in (stateless.py)
         c = self.config
         self.auto = AutoPolicy(c.cost_model or c.model, c.cost_dtype, c.prefill_chunk, c.kv_price)
         if c.policy == "auto":
@@ -82,6 +81,7 @@ class Runtime:
                                        self.sessions, self.auto, self.materializer)  # inspection.py: read-only
         self.steps = StepPath(self.config, self.backend, self.materializer, self.offload, self.checks,
                               self.turn_close, self.storage, self.auto, self.template, self.namespace)
+        self.stateless = StatelessSteps(self, self.sessions, self.checks, self.config)  # stateless.py: their way in
         self.chat = ChatHistory(self.table, self.checks, self.template, self.materializer,
                                 self.backend.wants_transcript, self.steps.message, self.steps.results)
 

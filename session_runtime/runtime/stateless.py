@@ -55,10 +55,12 @@ class Prepared:
 
 class StatelessSteps:
     """The runtime's stateless way in. Built with the runtime it steps through
-    (its public methods and `chat_step`'s hooks) and the index it keeps."""
+    (its public methods only: chat_step and its hooks, create_conversation,
+    delete_conversation, serve_here, template, store), the request checks,
+    the config and the index it keeps."""
 
-    def __init__(self, runtime, index: SessionIndex):
-        self.runtime = runtime
+    def __init__(self, runtime, index: SessionIndex, checks, config):
+        self.runtime, self.checks, self.config = runtime, checks, config
         self.index = index
         self._swept = 0.0
         # Conversations created for a request whose step has not committed yet, by
@@ -77,8 +79,8 @@ class StatelessSteps:
         a system prompt or tools the runtime refuses, TooManyConversations when
         the tenant's cap is full of explicit conversations."""
         self._sweep()
-        tools = self.runtime.checks.prompt(request.system, request.tools)
-        keys = request_keys(tenant, self.runtime.config.template, request.system, tools, request.history, request.new,
+        tools = self.checks.prompt(request.system, request.tools)
+        keys = request_keys(tenant, self.config.template, request.system, tools, request.history, request.new,
                             [options, policy and (policy.name, policy.keep_last_k),
                              cleared and (sorted(cleared.results), sorted(cleared.inputs))])
         p = Prepared(request, tenant, protocol, session_key, policy, cleared, rules, keys, "", None, set())
@@ -170,7 +172,7 @@ class StatelessSteps:
                     reasoning_tokens=parsed.reasoning_tokens(len(m.output_ids)))
 
     def _create(self, p: Prepared) -> str:
-        policy = p.policy or ReasoningPolicy(self.runtime.config.policy)
+        policy = p.policy or ReasoningPolicy(self.config.policy)
         r = p.request
         for _ in range(8):
             try:
