@@ -5,7 +5,9 @@
 - no core module imports an edge one: the HTTP API (`session_runtime.api`)
   and the command line (`session_runtime.cli`) sit on top, and nothing below
   them reaches up;
-- no package file over 400 lines (docs/architecture.md).
+- no package file over 400 lines (docs/architecture.md);
+- each subpackage imports none of those above it (NOT_BELOW: what its
+  `__init__.py` says it may not import).
 
 `from package import name` is an arrow to the submodule where `name` is one,
 else to the package itself.
@@ -20,6 +22,19 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("session_runtime", "radix_ext")
 EDGES = ("session_runtime.api", "session_runtime.cli")
 MAX_LINES = 400
+# A subpackage, and the packages above it that it must never import.
+_TOP = ("session_runtime.api", "session_runtime.cli", "session_runtime.replay")
+NOT_BELOW = {
+    "session_runtime.protocols": (*_TOP, "session_runtime.runtime", "session_runtime.store", "session_runtime.backends",
+                                  "session_runtime.proxy", "session_runtime.templates"),
+    "session_runtime.templates": (*_TOP, "session_runtime.runtime", "session_runtime.store", "session_runtime.backends",
+                                  "session_runtime.proxy"),
+    "session_runtime.model": (*_TOP, "session_runtime.runtime", "session_runtime.store", "session_runtime.backends"),
+    "session_runtime.proxy": (*_TOP, "session_runtime.runtime", "session_runtime.store", "session_runtime.backends"),
+    "session_runtime.backends": (*_TOP, "session_runtime.runtime", "session_runtime.store"),
+    "session_runtime.store": (*_TOP, "session_runtime.runtime"),
+    "session_runtime.runtime": _TOP,
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -127,6 +142,17 @@ def test_no_import_circles():
 def test_no_core_module_imports_the_api_or_the_cli():
     up = sorted((m, d) for m, deps in import_graph().items() if not _is_edge(m) for d in deps if _is_edge(d))
     assert not up, "core modules importing the edge: " + ", ".join(f"{m} -> {d}" for m, d in up)
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_subpackage_imports_one_above_it():
+    graph = import_graph()
+    up = sorted((m, d) for package, above in NOT_BELOW.items() for m, deps in graph.items() if _within(m, package)
+                for d in deps if any(_within(d, a) for a in above))
+    assert not up, "imports of a package above: " + ", ".join(f"{m} -> {d}" for m, d in up)
 
 
 def test_no_package_file_over_400_lines():

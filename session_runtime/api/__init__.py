@@ -1,1 +1,5 @@
-"""The HTTP edge: a thin FastAPI shell over Runtime."""
+"""The HTTP edge: a thin FastAPI shell over Runtime.
+
+May import everything below it (the runtime, the protocols, the backends'
+interface); nothing imports it but the CLI.
+"""

@@ -1,7 +1,12 @@
 """The backends, each in its folder (embedded/, sglang/, upstream/) over the
 interface in base.py. `create_backend` picks one by name and imports it
 lazily (SGLang's server needs none of the embedded decoder, and the other way
-round); base.py imports none of them."""
+round); base.py imports none of them.
+
+May import the core modules, the model, the templates, the protocols, the
+constrained output and the proxy (upstream mode); never the runtime, the
+store, the API or the CLI.
+"""
 
 from __future__ import annotations
 

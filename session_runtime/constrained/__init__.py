@@ -12,6 +12,9 @@ schema for the answer, stop sequences, a bound on the reasoning.
   sends the whole tag and the stop strings to SGLang's grammar backend instead.
 
 It imports templates and the tokenizer, never a backend or the HTTP layer.
+
+May import the templates, the protocols' shapes and the sampling parameters;
+nothing above.
 """
 
 from session_runtime.constrained.spec import OutputConstraint

@@ -1,1 +1,4 @@
-"""A Qwen3/Llama-family decoder that keeps its KV in SGLang's pool."""
+"""A Qwen3/Llama-family decoder that keeps its KV in SGLang's pool.
+
+May import the config and the errors only.
+"""

@@ -4,6 +4,9 @@ byte, strips historical reasoning on the way out by that provider's rules and
 validates a request as the provider would.
 
 `get_protocol(name)` returns the adapter; each is imported only when asked for.
+
+May import only the weak memo (weak_memo.py): the protocols sit below
+everything that speaks them.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ runs sharing one Runtime never reuse each other's KV.
 
 This module imports SGLang only when it builds a Runtime: parsing and
 validating a trace is instant.
+
+May import the runtime (to replay through it), the cost model and the core;
+nothing imports it but the CLI.
 """
 
 

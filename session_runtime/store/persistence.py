@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Optional
 
 from session_runtime.conversation import Conversation
-from session_runtime.runtime.conversation_table import ConversationTable
 from session_runtime.errors import BackendUnavailable, OwnedElsewhere, WorkerNotFound
 from session_runtime.store.sqlite import Store, Stored, Unstored
 
@@ -32,9 +31,11 @@ log = logging.getLogger("session_runtime.runtime")
 
 class Persistence:
     """Opens the store: only the index is read; a conversation is read at its
-    first use (`load`, the table's loader)."""
+    first use (`load`, the table's loader). `table`: the runtime's
+    ConversationTable (runtime/conversation_table.py), which sits above the
+    store and is handed in, never imported here."""
 
-    def __init__(self, config, backend, table: ConversationTable, sessions, materializer):
+    def __init__(self, config, backend, table, sessions, materializer):
         self.config, self.backend, self.table = config, backend, table
         self.sessions, self.materializer = sessions, materializer
         self.conversations = table.registry

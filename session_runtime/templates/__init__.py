@@ -1,4 +1,7 @@
-"""Chat templates that render messages to token ids with typed spans."""
+"""Chat templates that render messages to token ids with typed spans.
+
+May import the tokenizer and the core helpers only.
+"""
 
 from __future__ import annotations
 
