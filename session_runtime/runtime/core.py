@@ -43,9 +43,10 @@ log = logging.getLogger("session_runtime.runtime")
 
 
 class Runtime:
-    """Holds conversations, the backend and the materializer. Thread-safe: steps
-    of one conversation are serialized; the embedded engine serializes all
-    steps, SGLang batches steps of different conversations."""
+    """Wires its parts (this package's modules and store/persistence.py, each
+    built here with what it uses) and answers for them: the public Python API.
+    Thread-safe: steps of one conversation are serialized; the embedded engine
+    serializes all steps, SGLang batches steps of different conversations."""
 
     def __init__(self, config: Optional[RuntimeConfig] = None, *, background: bool = True):
         self.config = config or RuntimeConfig()
