@@ -18,6 +18,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -115,12 +116,20 @@ class OfficialRenderer:
 
         self.chat_template = chat_template
         self.tok = tok
-        self.kwargs = dict(kwargs)
+        # A template that writes today's date (gpt-oss's `strftime_now`, Llama 3's) writes the day this
+        # renderer was built, on every render: a conversation's prompt reads the same on every step, past
+        # midnight too (its prefix, and the memo's renders, stay those of a fresh render).
+        self.today = datetime.now()
+        self.kwargs = {**kwargs, "strftime_now": self.strftime_now}
         self._render_jinja = render_jinja_template
         controls = sorted((t for t in tok.added if t), key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, controls))) if controls else None
         # Every step renders the same prefixes again: memoized, within 128 MB.
         self._memo = BytesLRU(128 << 20, lambda key, r: 2 * len(r.text) + 64 * len(r.controls) + 200)
+
+    def strftime_now(self, fmt: str) -> str:
+        """The template's clock: the day this renderer was built, in `fmt`."""
+        return self.today.strftime(fmt)
 
     def render(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool,
                key: Optional[bytes] = None) -> RenderedText:

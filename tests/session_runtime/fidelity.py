@@ -139,6 +139,9 @@ def hf_official(folder, tok, tpl, system, tools, turns) -> list[int]:
             m[tpl._thinking_field] = m.pop("reasoning_content")
             for c in m.get("tool_calls", ()):
                 c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    # The template's own clock, as the renderer pins it (the day it was built): a run past midnight compares
+    # the same date (official.OfficialRenderer.strftime_now).
     prompt = render_jinja_template([msgs], tools=tools or None, chat_template=read_chat_template(folder),
-                                   add_generation_prompt=True, **special_token_kwargs(folder))[0][0]
+                                   add_generation_prompt=True, strftime_now=tpl.official.strftime_now,
+                                   **special_token_kwargs(folder))[0][0]
     return tok.encode(prompt)

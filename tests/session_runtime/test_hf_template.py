@@ -208,3 +208,31 @@ def test_templates_are_rendered_window_by_window_where_they_allow_it_and_whole_w
     assert tpl.windowed is None
     conv = ("Be brief.", [], [("First?", [("", "One.", [], [])]), ("Second?", [("", "Two.", [], [])]), ("Third?", [])])
     assert fidelity.ours(tpl, *conv) == fidelity.hf_official(folder, tok, tpl, *conv)
+
+
+def test_a_template_that_writes_the_date_writes_the_renderers_day_past_midnight(monkeypatch):
+    """gpt-oss's template writes `strftime_now`'s date into every prompt. A
+    server running past midnight must not render with another date than its
+    earlier renders (memoized: a step's prompt, a forced output's generation
+    prompt), or a prompt no longer starts as its own earlier prefix: the
+    renderer's clock is the day it was built, whatever the real clock says."""
+    import datetime as dt
+
+    import transformers.utils.chat_template_utils as ctu
+
+    folder, tok, tpl = family("gpt-oss")
+    day = tpl.official.today.strftime("%Y-%m-%d")
+    assert tpl.forced_ids("", "an answer")  # renders (and keeps) the generation prompt, dated
+    before = tpl.official.text([{"role": "user", "content": "a question"}], [], True)
+    assert day in before
+
+    class Tomorrow(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return dt.datetime.now(tz) + dt.timedelta(days=1)
+
+    monkeypatch.setattr(ctu, "datetime", Tomorrow)  # the real clock, past midnight
+    assert tpl.forced_ids("", "another answer")  # its full render agrees with the kept generation prompt
+    after = tpl.official.text([{"role": "user", "content": "a question"}, {"role": "assistant", "content": "ok"},
+                               {"role": "user", "content": "and then"}], [], True)
+    assert day in after and after.startswith(before[:before.index("a question")])
