@@ -116,7 +116,7 @@ class OfficialRenderer:
 
         self.chat_template = chat_template
         self.tok = tok
-        # A template that writes today's date (gpt-oss's `strftime_now`, Llama 3's) writes the day this
+        # A template that writes today's date (gpt-oss's `strftime_now`) writes the day this
         # renderer was built, on every render: a conversation's prompt reads the same on every step, past
         # midnight too (its prefix, and the memo's renders, stay those of a fresh render).
         self.today = datetime.now()
