@@ -149,7 +149,7 @@ def make_trace(tpl, seed: int, turns: int, scale: float, calls: tuple[int, int],
 
 class ClientConversation:
     """What a client of plain SGLang keeps: the conversation's canonical history,
-    rendered as the runtime renders it (Runtime._step / _commit / turn_close.TurnClose.close
+    rendered as the runtime renders it (StepPath.run / _commit / TurnClose.close
     under policy drop: closed turns lose their reasoning, the open turn's tool
     chain replays its generated ids exactly)."""
 
@@ -1087,7 +1087,7 @@ def main() -> None:
 
 NOTES = {
     "prompts": "Every Part A mode renders identical prompts: a client-side copy of the runtime's rendering "
-               "(ClientConversation: Runtime._step/_commit/TurnClose.close under policy drop; the deepseek template "
+               "(ClientConversation: StepPath.run/_commit/TurnClose.close under policy drop; the deepseek template "
                "writes `</think>` and only the answer for closed turns, the open turn's tool chain replays its "
                "generated ids). For our backend it is checked against the Runtime: its own render of each first "
                "prompt equals it token for token, and every step's prompt length and recomputed history agree "
